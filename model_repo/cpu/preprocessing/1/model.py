@@ -1,0 +1,65 @@
+"""Ensemble step 1: tokenize `QUERY` into padded `INPUT_ID` rows with their lengths."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from scheduler_svc.engine.config import DEEPSEEK_V4_END_ID, DEEPSEEK_V4_PAD_ID
+from scheduler_svc.tokenizer import load_tokenizer
+
+
+def _optional(request: Any, name: str, default: int, rows: int) -> np.ndarray:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return np.full((rows, 1), default, dtype=np.int32)
+    return tensor.as_numpy().astype(np.int32).reshape(rows, 1)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = json.loads(args["model_config"]).get("parameters", {})
+        tokenizer_dir = params.get("tokenizer_dir", {}).get("string_value", "deepseek-v4")
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        return [self._one(request) for request in requests]
+
+    def _one(self, request: Any) -> Any:
+        queries = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy().reshape(-1)
+        rows = len(queries)
+        texts = [q.decode("utf-8") if isinstance(q, bytes) else str(q) for q in queries]
+        encoded = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        if any(not ids for ids in encoded):
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(
+                    "text_input: the prompt is empty after tokenization",
+                    pb_utils.TritonError.INVALID_ARG,
+                )
+            )
+        pad_ids = _optional(request, "PAD_ID", DEEPSEEK_V4_PAD_ID, rows)
+        width = max(len(ids) for ids in encoded)
+        input_ids = np.empty((rows, width), dtype=np.int32)
+        for r, ids in enumerate(encoded):
+            input_ids[r] = pad_ids[r, 0]
+            input_ids[r, : len(ids)] = ids
+        out_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN").as_numpy()
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("INPUT_ID", input_ids),
+                pb_utils.Tensor(
+                    "REQUEST_INPUT_LEN",
+                    np.asarray([[len(ids)] for ids in encoded], dtype=np.int32),
+                ),
+                pb_utils.Tensor(
+                    "REQUEST_OUTPUT_LEN_OUT", out_len.astype(np.int32).reshape(rows, 1)
+                ),
+                pb_utils.Tensor(
+                    "OUT_END_ID", _optional(request, "END_ID", DEEPSEEK_V4_END_ID, rows)
+                ),
+                pb_utils.Tensor("OUT_PAD_ID", pad_ids),
+            ]
+        )

@@ -1,0 +1,263 @@
+"""Triton Python-backend adapter for the CPU reference engine (`scheduler_svc.engine`).
+
+Speaks TensorRT-LLM's `tensorrt_llm` contract: decoupled, one response per row (with
+`batch_index`), new tokens per response when streaming, all tokens at the end otherwise; a
+request with `stop=true` ends the in-flight request with the same id. Statistics are exported
+on Triton's metrics port under TensorRT-LLM's metric names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.contract import parse_request
+from scheduler_svc.engine.engine import Engine, EngineStats
+from scheduler_svc.engine.errors import EngineError
+from scheduler_svc.engine.request import EngineRequest, Sequence
+from scheduler_svc.engine.runner import ModelRunner
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class _Handle:
+    """What the sink needs to answer one Triton request."""
+
+    def __init__(self, request: Any, sender: Any, triton_id: str) -> None:
+        self.request = request
+        self.sender = sender
+        self.triton_id = triton_id
+
+
+def _error(message: str, code: str) -> Any:
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+
+
+class _Metrics:
+    """TensorRT-LLM's metric families, plus the reference engine's token counters."""
+
+    def __init__(self, cfg: EngineConfig, model: str, version: str) -> None:
+        labels = {"model": model, "version": version}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        # A MetricFamily must outlive its Metrics, so every family is kept here.
+        self._families: list[Any] = []
+
+        def new_family(name: str, doc: str, kind: Any) -> Any:
+            fam = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        def family(name: str, doc: str, label: str, values: list[str]) -> dict[str, Any]:
+            fam = new_family(name, doc, gauge)
+            return {v: fam.Metric(labels={label: v, **labels}) for v in values}
+
+        self.requests = family(
+            "nv_trt_llm_request_metrics",
+            "TRT LLM request metrics",
+            "request_type",
+            ["active", "max", "scheduled", "context", "waiting"],
+        )
+        self.kv = family(
+            "nv_trt_llm_kv_cache_block_metrics",
+            "TRT LLM KV cache block metrics",
+            "kv_cache_block_type",
+            ["max", "free", "used", "tokens_per", "fraction"],
+        )
+        if cfg.batching_strategy == "inflight":
+            self.batcher = family(
+                "nv_trt_llm_inflight_batcher_metrics",
+                "TRT LLM inflight_batcher-specific metrics",
+                "inflight_batcher_specific_metric",
+                [
+                    "total_context_tokens",
+                    "generation_requests",
+                    "micro_batch_id",
+                    "paused_requests",
+                ],
+            )
+        else:
+            self.batcher = family(
+                "nv_trt_llm_v1_metrics",
+                "TRT LLM v1-specific metrics",
+                "v1_specific_metric",
+                ["total_context_tokens", "total_generation_tokens", "empty_generation_slots"],
+            )
+        self.general = family(
+            "nv_trt_llm_general_metrics",
+            "General TRT LLM metrics",
+            "general_type",
+            ["iteration_counter", "timestamp"],
+        )
+        tokens = new_family(
+            "scheduler_svc_engine_tokens_total",
+            "Tokens the CPU reference engine pushed through the model "
+            "(processed) and those that belonged to a real row (useful); padding is the gap",
+            counter,
+        )
+        self.tokens = {
+            (phase, kind): tokens.Metric(labels={"phase": phase, "kind": kind, **labels})
+            for phase in ("context", "generation")
+            for kind in ("processed", "useful")
+        }
+        self.paused_total = new_family(
+            "scheduler_svc_engine_paused_requests_total",
+            "Requests the CPU reference engine paused to free KV blocks",
+            counter,
+        ).Metric(labels=labels)
+        self._last: dict[str, int] = {}
+
+    def publish(self, s: EngineStats) -> None:
+        for name, value in (
+            ("active", s.active_requests),
+            ("max", s.max_requests),
+            ("scheduled", s.scheduled_requests),
+            ("context", s.context_requests),
+            ("waiting", s.waiting_requests),
+        ):
+            self.requests[name].set(value)
+        self.kv["max"].set(s.kv_max_blocks)
+        self.kv["free"].set(s.kv_free_blocks)
+        self.kv["used"].set(s.kv_used_blocks)
+        self.kv["tokens_per"].set(s.tokens_per_block)
+        self.kv["fraction"].set(s.kv_used_blocks / s.kv_max_blocks)
+        if "paused_requests" in self.batcher:
+            self.batcher["total_context_tokens"].set(s.total_context_tokens)
+            self.batcher["generation_requests"].set(s.generation_requests)
+            self.batcher["micro_batch_id"].set(0)
+            self.batcher["paused_requests"].set(s.paused_requests)
+        else:
+            self.batcher["total_context_tokens"].set(s.total_context_tokens)
+            self.batcher["total_generation_tokens"].set(s.generation_requests)
+            self.batcher["empty_generation_slots"].set(s.empty_generation_slots)
+        self.general["iteration_counter"].set(s.iteration)
+        self.general["timestamp"].set(int(time.time()))
+        c = s.counts
+        for key, value in (
+            (("context", "processed"), c.context_processed),
+            (("context", "useful"), c.context_useful),
+            (("generation", "processed"), c.generation_processed),
+            (("generation", "useful"), c.generation_useful),
+        ):
+            self._bump(self.tokens[key], "/".join(key), value)
+        self._bump(self.paused_total, "paused", c.paused_total)
+
+    def _bump(self, metric: Any, name: str, total: int) -> None:
+        delta = total - self._last.get(name, 0)
+        if delta > 0:
+            metric.increment(delta)
+        self._last[name] = total
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        params = {
+            key: value["string_value"] for key, value in model_config.get("parameters", {}).items()
+        }
+        self.cfg = EngineConfig.from_parameters(params)
+        self.metrics = _Metrics(self.cfg, args["model_name"], args["model_version"])
+        self._ids = itertools.count()
+        self._by_triton_id: dict[str, set[str]] = {}
+        self._ids_lock = threading.Lock()
+        self.engine = Engine(self.cfg, self, lambda: ModelRunner(self.cfg))
+        self.engine.start()
+        pb_utils.Logger.log_info(
+            f"reference engine ready: {self.cfg.batching_strategy} batching, "
+            f"{self.cfg.batch_scheduler_policy}, {self.cfg.num_blocks} KV blocks of "
+            f"{self.cfg.tokens_per_block} tokens"
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._accept(request, sender)
+            except EngineError as exc:
+                sender.send(
+                    pb_utils.InferenceResponse(error=_error(str(exc), exc.code)), flags=_FINAL
+                )
+            except Exception as exc:  # never let one request take the instance down
+                sender.send(
+                    pb_utils.InferenceResponse(error=_error(f"unexpected: {exc!r}", "INTERNAL")),
+                    flags=_FINAL,
+                )
+
+    def _accept(self, request: Any, sender: Any) -> None:
+        tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+        parsed = parse_request(tensors, self.cfg)
+        triton_id = request.request_id()
+        if parsed.stop:
+            with self._ids_lock:
+                keys = sorted(self._by_triton_id.get(triton_id, ()))
+            for key in keys:
+                self.engine.stop(key)
+            sender.send(flags=_FINAL)
+            return
+        key = f"{triton_id}#{next(self._ids)}"
+        with self._ids_lock:
+            self._by_triton_id.setdefault(triton_id, set()).add(key)
+        try:
+            self.engine.submit(
+                key,
+                parsed.rows,
+                streaming=parsed.streaming,
+                sampling=parsed.sampling,
+                handle=_Handle(request, sender, triton_id),
+            )
+        except EngineError:
+            self._forget(triton_id, key)
+            raise
+
+    def _forget(self, triton_id: str, key: str) -> None:
+        with self._ids_lock:
+            keys = self._by_triton_id.get(triton_id)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_triton_id[triton_id]
+
+    # -- Sink --------------------------------------------------------------------------------
+
+    def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
+        if not request.streaming and not self.cfg.exclude_input_in_output:
+            tokens = list(seq.prompt) + tokens
+        outputs = [
+            pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.asarray([[len(tokens)]], dtype=np.int32)),
+            pb_utils.Tensor("batch_index", np.asarray([[seq.row]], dtype=np.int32)),
+        ]
+        handle: _Handle = request.handle  # type: ignore[assignment]
+        handle.sender.send(
+            pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0
+        )
+        if final:
+            self._forget(handle.triton_id, request.key)
+
+    def close(self, request: EngineRequest) -> None:
+        handle: _Handle = request.handle  # type: ignore[assignment]
+        handle.sender.send(flags=_FINAL)
+        self._forget(handle.triton_id, request.key)
+
+    def fail(self, request: EngineRequest, error: EngineError) -> None:
+        handle: _Handle = request.handle  # type: ignore[assignment]
+        handle.sender.send(
+            pb_utils.InferenceResponse(error=_error(str(error), error.code)), flags=_FINAL
+        )
+        self._forget(handle.triton_id, request.key)
+
+    def is_cancelled(self, request: EngineRequest) -> bool:
+        handle: _Handle = request.handle  # type: ignore[assignment]
+        return bool(handle.sender.is_cancelled())
+
+    def publish(self, stats: EngineStats) -> None:
+        self.metrics.publish(stats)
+
+    def finalize(self) -> None:
+        self.engine.shutdown()

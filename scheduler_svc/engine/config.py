@@ -1,0 +1,139 @@
+"""Configuration of the CPU reference engine.
+
+The engine reads its settings from the `parameters` of its Triton `config.pbtxt`, under the
+names TensorRT-LLM's `tensorrt_llm` model uses where one exists (`gpt_model_type`,
+`batch_scheduler_policy`, `max_tokens_in_paged_kv_cache`, `max_queue_size`, ...), so the same
+knobs mean the same thing on both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BatchingStrategy = Literal["inflight", "static"]
+SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
+
+# TensorRT-LLM spells the strategies this way in `gpt_model_type`; both spellings are accepted.
+_STRATEGY_ALIASES: dict[str, BatchingStrategy] = {
+    "inflight": "inflight",
+    "inflight_fused_batching": "inflight",
+    "inflight_batching": "inflight",
+    "static": "static",
+    "v1": "static",
+}
+
+# DeepSeek-V4's tokenizer: 129,280 ids, <｜end▁of▁sentence｜> = 1, <｜▁pad▁｜> = 2.
+DEEPSEEK_V4_VOCAB_SIZE = 129_280
+DEEPSEEK_V4_END_ID = 1
+DEEPSEEK_V4_PAD_ID = 2
+
+
+class ModelSpec(BaseModel):
+    """Shape of the decoder-only model (a transformers Llama) with random weights."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = Field(DEEPSEEK_V4_VOCAB_SIZE, ge=16, description="Vocabulary size.")
+    hidden_size: int = Field(128, ge=8, le=8192, description="Model width.")
+    num_layers: int = Field(6, ge=1, le=128, description="Decoder layers.")
+    num_heads: int = Field(2, ge=1, le=128, description="Attention heads (K/V heads equal).")
+    head_dim: int = Field(64, ge=8, le=256, description="Width of one attention head.")
+    intermediate_size: int = Field(512, ge=8, description="MLP inner width.")
+    seed: int = Field(0, ge=0, description="Seed of the random weights.")
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to run; frozen and validated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batching_strategy: BatchingStrategy = Field(
+        "inflight",
+        description="`inflight`: iteration-level continuous batching over the paged KV cache. "
+        "`static` (TensorRT-LLM's V1): a batch prefills on the padded [rows x longest] "
+        "tensor and decodes in lockstep until its longest row ends.",
+    )
+    batch_scheduler_policy: SchedulerPolicy = Field(
+        "guaranteed_no_evict",
+        description="`guaranteed_no_evict` reserves prompt + maximum output at admission; "
+        "`max_utilization` allocates as tokens grow and pauses (then recomputes) requests "
+        "when the pool runs dry.",
+    )
+    tokens_per_block: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    max_tokens_in_paged_kv_cache: int = Field(
+        16_384, ge=1, description="KV pool size in tokens; the pool has this // tokens_per_block."
+    )
+    max_num_sequences: int = Field(
+        16, ge=1, le=1024, description="Most sequences in flight at once (the engine batch)."
+    )
+    max_num_tokens: int = Field(
+        4_096, ge=1, description="Most tokens one iteration processes (context + generation)."
+    )
+    max_input_len: int = Field(4_096, ge=1, description="Longest accepted prompt in tokens.")
+    max_output_len: int = Field(1_024, ge=1, description="Largest accepted request_output_len.")
+    max_queue_size: int = Field(
+        0, ge=0, description="Most requests waiting for admission; 0 means unbounded."
+    )
+    exclude_input_in_output: bool = Field(
+        True, description="Return only generated tokens in `output_ids`."
+    )
+    end_id: int = Field(DEEPSEEK_V4_END_ID, ge=-1, description="Default end id; -1 for none.")
+    pad_id: int = Field(DEEPSEEK_V4_PAD_ID, ge=0, description="Default pad id.")
+    num_threads: int = Field(1, ge=1, le=256, description="Torch intra-op threads.")
+    metrics_interval_ms: int = Field(
+        50, ge=0, le=10_000, description="Least time between two metric publications."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model shape.")
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the KV pool."""
+        return self.max_tokens_in_paged_kv_cache // self.tokens_per_block
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.num_blocks < 1:
+            raise ValueError("max_tokens_in_paged_kv_cache is smaller than one block")
+        if self.max_num_tokens < self.max_input_len:
+            # Without chunked context a whole prompt must fit in one iteration.
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least "
+                f"max_input_len ({self.max_input_len})"
+            )
+        if self.end_id >= self.model.vocab_size or self.pad_id >= self.model.vocab_size:
+            raise ValueError("end_id and pad_id must lie inside the vocabulary")
+        return self
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
+        """Build from `config.pbtxt` string parameters, naming any unknown or bad key."""
+        model_keys = set(ModelSpec.model_fields)
+        engine_keys = set(cls.model_fields) - {"model", "batching_strategy"}
+        top: dict[str, Any] = {}
+        model: dict[str, Any] = {}
+        for key, raw in params.items():
+            value = raw.strip()
+            if key == "gpt_model_type":
+                strategy = _STRATEGY_ALIASES.get(value.lower())
+                if strategy is None:
+                    raise ValueError(
+                        f"parameter gpt_model_type={value!r}: expected one of "
+                        f"{sorted(_STRATEGY_ALIASES)}"
+                    )
+                top["batching_strategy"] = strategy
+            elif key.startswith("model_") and key.removeprefix("model_") in model_keys:
+                model[key.removeprefix("model_")] = value
+            elif key in engine_keys:
+                top[key] = value
+            else:
+                raise ValueError(f"unknown engine parameter {key!r}")
+        try:
+            return cls(**top, model=ModelSpec(**model))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            )
+            raise ValueError(f"invalid engine parameters: {problems}") from None

@@ -1,0 +1,148 @@
+"""TensorRT-LLM's `tensorrt_llm` tensor contract: parse and check one request's inputs.
+
+Triton itself rejects a missing required tensor or a wrong data type before the model sees the
+request; this module checks what only the engine knows (shapes across tensors, lengths, limits,
+token ranges) and names the tensor at fault in every error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.errors import InvalidRequestError
+from scheduler_svc.engine.request import RowSpec, Sampling
+
+Tensors = Mapping[str, npt.NDArray[np.generic]]
+
+_EXPECTED_KINDS = {
+    "input_ids": "iu",
+    "input_lengths": "iu",
+    "request_output_len": "iu",
+    "end_id": "iu",
+    "pad_id": "iu",
+    "streaming": "b",
+    "stop": "b",
+    "temperature": "f",
+    "runtime_top_k": "iu",
+    "runtime_top_p": "f",
+    "random_seed": "iu",
+}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    rows: list[RowSpec]
+    streaming: bool
+    stop: bool
+    sampling: Sampling
+
+
+def _per_row(tensors: Tensors, name: str, num_rows: int) -> npt.NDArray[np.generic] | None:
+    """One value per row from a [rows] or [rows, 1] tensor (a single value is broadcast)."""
+    value = tensors.get(name)
+    if value is None:
+        return None
+    if value.dtype.kind not in _EXPECTED_KINDS[name]:
+        raise InvalidRequestError(f"{name}: unexpected data type {value.dtype}")
+    flat = np.asarray(value).reshape(-1)
+    if flat.size == 1:
+        return np.repeat(flat, num_rows)
+    if flat.size != num_rows:
+        raise InvalidRequestError(
+            f"{name}: expected one value per row ({num_rows} rows), got shape {list(value.shape)}"
+        )
+    return flat
+
+
+def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
+    """Turn a request's input tensors into rows, or raise `InvalidRequestError`."""
+    stop = tensors.get("stop")
+    if stop is not None and stop.dtype.kind == "b" and bool(np.asarray(stop).any()):
+        # A stop request only names the request to end; its other tensors are ignored.
+        return ParsedRequest([], streaming=False, stop=True, sampling=Sampling())
+    ids = tensors.get("input_ids")
+    if ids is None:
+        raise InvalidRequestError("input_ids: missing")
+    if ids.dtype.kind not in "iu":
+        raise InvalidRequestError(f"input_ids: unexpected data type {ids.dtype}")
+    if ids.ndim == 1:
+        ids = ids.reshape(1, -1)
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise InvalidRequestError(
+            f"input_ids: expected shape [rows, tokens] with at least one token, "
+            f"got {list(ids.shape)}"
+        )
+    num_rows, width = ids.shape
+    lengths = _per_row(tensors, "input_lengths", num_rows)
+    if lengths is None:
+        raise InvalidRequestError("input_lengths: missing")
+    out_lens = _per_row(tensors, "request_output_len", num_rows)
+    if out_lens is None:
+        raise InvalidRequestError("request_output_len: missing")
+    end_ids = _per_row(tensors, "end_id", num_rows)
+    pad_ids = _per_row(tensors, "pad_id", num_rows)
+    vocab = cfg.model.vocab_size
+    rows: list[RowSpec] = []
+    for r in range(num_rows):
+        length, out_len = int(lengths[r]), int(out_lens[r])
+        if length < 1:
+            raise InvalidRequestError(f"input_lengths: row {r} has length {length}, must be >= 1")
+        if length > width:
+            raise InvalidRequestError(
+                f"input_lengths: row {r} claims {length} tokens but input_ids rows hold {width}"
+            )
+        if out_len < 1 or out_len > cfg.max_output_len:
+            raise InvalidRequestError(
+                f"request_output_len: row {r} asks for {out_len} tokens, allowed 1.."
+                f"{cfg.max_output_len}"
+            )
+        prompt = ids[r, :length].astype(np.int64)
+        bad = prompt[(prompt < 0) | (prompt >= vocab)]
+        if bad.size:
+            raise InvalidRequestError(
+                f"input_ids: row {r} holds token id {int(bad[0])} outside the vocabulary "
+                f"0..{vocab - 1}"
+            )
+        end_id = int(end_ids[r]) if end_ids is not None else cfg.end_id
+        pad_id = int(pad_ids[r]) if pad_ids is not None else cfg.pad_id
+        if not -1 <= end_id < vocab:
+            raise InvalidRequestError(f"end_id: {end_id} is outside the vocabulary")
+        if not 0 <= pad_id < vocab:
+            raise InvalidRequestError(f"pad_id: {pad_id} is outside the vocabulary")
+        rows.append(RowSpec(tuple(int(t) for t in prompt), out_len, end_id, pad_id))
+    return ParsedRequest(
+        rows=rows,
+        streaming=_first_bool(tensors, "streaming", num_rows),
+        stop=False,
+        sampling=_sampling(tensors, num_rows),
+    )
+
+
+def _first_bool(tensors: Tensors, name: str, num_rows: int) -> bool:
+    values = _per_row(tensors, name, num_rows)
+    return bool(values[0]) if values is not None else False
+
+
+def _sampling(tensors: Tensors, num_rows: int) -> Sampling:
+    temperature = _per_row(tensors, "temperature", num_rows)
+    top_k = _per_row(tensors, "runtime_top_k", num_rows)
+    top_p = _per_row(tensors, "runtime_top_p", num_rows)
+    seed = _per_row(tensors, "random_seed", num_rows)
+    sampling = Sampling(
+        temperature=float(temperature[0]) if temperature is not None else 1.0,
+        top_k=int(top_k[0]) if top_k is not None else 0,
+        top_p=float(top_p[0]) if top_p is not None else 0.0,
+        seed=int(seed[0]) if seed is not None else 0,
+    )
+    if sampling.temperature < 0:
+        raise InvalidRequestError(f"temperature: {sampling.temperature} is negative")
+    if sampling.top_k < 0:
+        raise InvalidRequestError(f"runtime_top_k: {sampling.top_k} is negative")
+    if not 0.0 <= sampling.top_p <= 1.0:
+        raise InvalidRequestError(f"runtime_top_p: {sampling.top_p} is outside 0..1")
+    return sampling

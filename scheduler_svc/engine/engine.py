@@ -1,0 +1,250 @@
+"""The engine loop: one thread that owns the batcher and the model runner.
+
+Any thread may `submit` (answered at once: queued, or an `EngineError`) or `stop` a request.
+The loop then repeats: apply stops and client cancellations, plan an iteration, run the model
+(outside the lock, so intake never waits on a forward pass), commit the sampled tokens, and hand
+each row's output to the `Sink`, which speaks the server's protocol (Triton, or a test list).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from scheduler_svc.engine.batcher import Batcher, Plan, TokenCounts, Update, Work
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.errors import EngineError
+from scheduler_svc.engine.request import (
+    EngineRequest,
+    FinishReason,
+    RowSpec,
+    Sampling,
+    Sequence,
+)
+
+_IDLE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics, named after TensorRT-LLM's statistics."""
+
+    kv_max_blocks: int
+    kv_free_blocks: int
+    kv_used_blocks: int
+    tokens_per_block: int
+    active_requests: int
+    max_requests: int
+    scheduled_requests: int
+    context_requests: int
+    waiting_requests: int
+    paused_requests: int
+    total_context_tokens: int
+    generation_requests: int
+    empty_generation_slots: int
+    iteration: int
+    counts: TokenCounts
+
+
+class Sink(Protocol):
+    """Where the engine's answers go."""
+
+    def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
+        """Send one row's tokens (new ones when streaming, all of them otherwise)."""
+
+    def close(self, request: EngineRequest) -> None:
+        """End a request that has nothing more to say (cancelled or stopped while streaming)."""
+
+    def fail(self, request: EngineRequest, error: EngineError) -> None:
+        """End a request with an error."""
+
+    def is_cancelled(self, request: EngineRequest) -> bool:
+        """Whether the client has gone away."""
+
+    def publish(self, stats: EngineStats) -> None:
+        """Receive fresh statistics."""
+
+
+class Runner(Protocol):
+    def step(self, works: tuple[Work, ...], tables: list[list[int]]) -> list[int]: ...
+
+
+class Engine:
+    """Drives a `Batcher` and a model runner on a background thread."""
+
+    def __init__(self, cfg: EngineConfig, sink: Sink, runner: Callable[[], Runner]) -> None:
+        self.cfg = cfg
+        self._sink = sink
+        self._runner_factory = runner
+        self._batcher = Batcher(cfg)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stops: list[str] = []
+        self._closing = False
+        self._iteration = 0
+        self._last_publish = 0.0
+        self._published: EngineStats | None = None
+        self._last_plan = Plan(())
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._runner = self._runner_factory()
+        self._thread.start()
+
+    def submit(
+        self,
+        key: str,
+        rows: list[RowSpec],
+        *,
+        streaming: bool,
+        sampling: Sampling,
+        handle: object,
+    ) -> EngineRequest:
+        """Queue a request or raise the `EngineError` that rejects it."""
+        with self._wake:
+            request = self._batcher.add(
+                key, rows, streaming=streaming, sampling=sampling, handle=handle
+            )
+            self._wake.notify()
+        return request
+
+    def stop(self, key: str) -> None:
+        """Ask the loop to end request `key` at the next iteration (TensorRT-LLM's `stop`)."""
+        with self._wake:
+            self._stops.append(key)
+            self._wake.notify()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closing:
+            try:
+                self._turn()
+            except Exception as exc:  # the loop must outlive any one failure
+                self._fail_everything(EngineError(f"engine loop failed: {exc!r}"))
+                time.sleep(_IDLE_POLL_S)
+        self._fail_everything(EngineError("the engine is shutting down"))
+
+    def _turn(self) -> None:
+        """One pass of the loop: intake, plan, run, deliver."""
+        tables: list[list[int]] = []
+        with self._wake:
+            if self._closing:
+                return
+            ended = self._apply_stops_and_cancels()
+            plan = self._batcher.schedule()
+            tables = [self._batcher.pool.table(w.seq.seq_id) for w in plan.works]
+        self._report_ended(ended)
+        if plan.works:
+            self._iterate(plan, tables)
+            return
+        self._last_plan = plan
+        self._maybe_publish(force=True)
+        with self._wake:
+            if not self._closing and not self._stops:
+                self._wake.wait(_IDLE_POLL_S)
+
+    def _iterate(self, plan: Plan, tables: list[list[int]]) -> None:
+        try:
+            sampled = self._runner.step(plan.works, tables)
+        except Exception as exc:  # a model bug must not take the instance down
+            self._fail_everything(EngineError(f"engine step failed: {exc!r}"))
+            return
+        with self._lock:
+            updates = self._batcher.commit(plan, sampled)
+            self._iteration += 1
+            self._last_plan = plan
+        self._deliver(updates)
+        self._maybe_publish(force=False)
+
+    def _apply_stops_and_cancels(self) -> list[tuple[EngineRequest, FinishReason]]:
+        ended: list[tuple[EngineRequest, FinishReason]] = []
+        stops, self._stops = self._stops, []
+        for key in stops:
+            request = self._batcher.cancel(key, FinishReason.STOPPED)
+            if request is not None:
+                ended.append((request, FinishReason.STOPPED))
+        for request in self._batcher.requests:
+            if self._sink.is_cancelled(request):
+                self._batcher.cancel(request.key, FinishReason.CANCELLED)
+                ended.append((request, FinishReason.CANCELLED))
+        return ended
+
+    def _report_ended(self, ended: list[tuple[EngineRequest, FinishReason]]) -> None:
+        for request, reason in ended:
+            pending = [s for s in request.rows if s.finish == reason]
+            if reason == FinishReason.STOPPED and not request.streaming and pending:
+                # A stopped non-streaming request still gets what it produced so far.
+                for i, seq in enumerate(pending):
+                    self._sink.emit(request, seq, list(seq.generated), i == len(pending) - 1)
+            else:
+                self._sink.close(request)
+
+    def _deliver(self, updates: list[Update]) -> None:
+        by_request: dict[str, list[Update]] = {}
+        for update in updates:
+            by_request.setdefault(update.seq.request.key, []).append(update)
+        for batch in by_request.values():
+            request = batch[0].seq.request
+            if request.streaming:
+                messages = [(u.seq, list(u.new_tokens)) for u in batch if u.new_tokens]
+            else:
+                messages = [(u.seq, list(u.seq.generated)) for u in batch if u.row_finished]
+            if request.done and not messages:
+                messages = [(batch[-1].seq, [])]  # a final answer must carry the FINAL flag
+            for i, (seq, tokens) in enumerate(messages):
+                final = request.done and i == len(messages) - 1
+                self._sink.emit(request, seq, tokens, final)
+
+    def _fail_everything(self, error: EngineError) -> None:
+        with self._lock:
+            requests = self._batcher.requests
+            for request in requests:
+                self._batcher.cancel(request.key, FinishReason.FAILED)
+        for request in requests:
+            self._sink.fail(request, error)
+
+    def _maybe_publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and (now - self._last_publish) * 1000 < self.cfg.metrics_interval_ms:
+            return
+        stats = self.stats()
+        if stats == self._published:
+            return
+        self._last_publish = now
+        self._published = stats
+        self._sink.publish(stats)
+
+    def _stats(self) -> EngineStats:
+        batcher, plan = self._batcher, self._last_plan
+        return EngineStats(
+            kv_max_blocks=batcher.pool.num_blocks,
+            kv_free_blocks=batcher.pool.num_free,
+            kv_used_blocks=batcher.pool.num_used,
+            tokens_per_block=batcher.pool.tokens_per_block,
+            active_requests=batcher.num_running,
+            max_requests=self.cfg.max_num_sequences,
+            scheduled_requests=len(plan.works),
+            context_requests=plan.num_context,
+            waiting_requests=batcher.num_waiting,
+            paused_requests=plan.num_paused,
+            total_context_tokens=plan.context_tokens,
+            generation_requests=len(plan.works) - plan.num_context,
+            empty_generation_slots=sum(1 for w in plan.works if not w.emits),
+            iteration=self._iteration,
+            counts=replace(batcher.counts),
+        )

@@ -1,0 +1,1 @@
+"""Running a real Triton Inference Server: the bundled binary and its launcher."""

@@ -1,0 +1,83 @@
+"""TensorRT-LLM tensor contract: bad input is refused with the tensor named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.contract import parse_request
+from scheduler_svc.engine.errors import InvalidRequestError
+
+CFG = EngineConfig(max_output_len=100)
+
+
+def good(**changes: object) -> dict[str, np.ndarray]:
+    tensors = {
+        "input_ids": np.array([[5, 6, 7, 0], [8, 9, 10, 11]], dtype=np.int32),
+        "input_lengths": np.array([[3], [4]], dtype=np.int32),
+        "request_output_len": np.array([[10], [20]], dtype=np.int32),
+    }
+    tensors.update(changes)  # type: ignore[arg-type]
+    return {k: v for k, v in tensors.items() if v is not None}
+
+
+def test_parses_rows_with_defaults() -> None:
+    parsed = parse_request(good(streaming=np.array([[True], [True]])), CFG)
+    assert [r.prompt for r in parsed.rows] == [(5, 6, 7), (8, 9, 10, 11)]
+    assert [r.max_new_tokens for r in parsed.rows] == [10, 20]
+    assert parsed.rows[0].end_id == CFG.end_id
+    assert parsed.streaming
+    assert parsed.sampling.greedy
+
+
+def test_stop_request_needs_nothing_else() -> None:
+    parsed = parse_request({"stop": np.array([[True]])}, CFG)
+    assert parsed.stop and not parsed.rows
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"input_lengths": np.array([[3], [9]], dtype=np.int32)}, "input_lengths: row 1 claims 9"),
+        (
+            {"input_lengths": np.array([[0], [4]], dtype=np.int32)},
+            "input_lengths: row 0 has length 0",
+        ),
+        ({"input_lengths": np.array([[-2], [4]], dtype=np.int32)}, "input_lengths"),
+        (
+            {"input_lengths": np.array([[1], [2], [3]], dtype=np.int32)},
+            "input_lengths: expected one value per row",
+        ),
+        (
+            {"request_output_len": np.array([[0], [1]], dtype=np.int32)},
+            "request_output_len: row 0 asks for 0",
+        ),
+        (
+            {"request_output_len": np.array([[1], [101]], dtype=np.int32)},
+            "request_output_len: row 1",
+        ),
+        (
+            {"input_ids": np.array([[5, -1, 7, 0], [1, 2, 3, 4]], dtype=np.int32)},
+            "input_ids: row 0 holds token id -1",
+        ),
+        (
+            {
+                "input_ids": np.array([[5, 6, 7, 999_999], [1, 2, 3, 4]], dtype=np.int32),
+                "input_lengths": np.array([[4], [4]], dtype=np.int32),
+            },
+            "outside the vocabulary",
+        ),
+        ({"input_ids": np.zeros((2, 0), dtype=np.int32)}, "input_ids: expected shape"),
+        ({"input_ids": np.zeros((2, 4), dtype=np.float32)}, "input_ids: unexpected data type"),
+        ({"input_lengths": None}, "input_lengths: missing"),
+        ({"request_output_len": None}, "request_output_len: missing"),
+        ({"end_id": np.array([[10**9], [1]], dtype=np.int64)}, "end_id"),
+        ({"pad_id": np.array([[-5], [1]], dtype=np.int32)}, "pad_id"),
+        ({"runtime_top_p": np.array([[1.5], [1.5]], dtype=np.float32)}, "runtime_top_p"),
+        ({"temperature": np.array([[-1.0], [0.0]], dtype=np.float32)}, "temperature"),
+    ],
+)
+def test_bad_input_names_the_tensor(changes: dict[str, object], needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse_request(good(**changes), CFG)
