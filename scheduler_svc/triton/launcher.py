@@ -111,6 +111,10 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.ports.metrics}/metrics"
 
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(list(self._lines)[-lines:])
 

@@ -1,0 +1,93 @@
+"""Real tritonserver fixtures: started once per session on free ports, never mocked."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_svc.triton.launcher import TritonServer
+from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_REPO = ROOT / "model_repo" / "cpu"
+
+# Engine variants served side by side by a second Triton: (model name, parameter overrides).
+VARIANTS: dict[str, dict[str, str]] = {
+    "engine_static": {"gpt_model_type": "V1"},
+    "engine_noevict": {
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "max_tokens_in_paged_kv_cache": "512",
+        "max_num_sequences": "8",
+    },
+    "engine_maxutil": {
+        "batch_scheduler_policy": "max_utilization",
+        "max_tokens_in_paged_kv_cache": "512",
+        "max_num_sequences": "8",
+    },
+    "engine_queue": {"max_num_sequences": "1", "max_queue_size": "1"},
+}
+
+_started: list[TritonServer] = []
+
+
+def render_engine(dst_repo: Path, name: str, overrides: dict[str, str]) -> None:
+    """Copy the CPU engine model under a new name with some parameters changed."""
+    src = CPU_REPO / "tensorrt_llm"
+    dst = dst_repo / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (dst / "config.pbtxt").read_text()
+    config = re.sub(r'^name: ".*"$', f'name: "{name}"', config, count=1, flags=re.M)
+    for key, value in overrides.items():
+        pattern = rf'(key: "{key}"\s+value: {{ string_value: )"[^"]*"'
+        config, count = re.subn(pattern, rf'\1"{value}"', config)
+        if count != 1:
+            raise AssertionError(f"parameter {key} not found in the engine config")
+    (dst / "config.pbtxt").write_text(config)
+
+
+def _start(repo: Path, log_path: Path) -> TritonServer:
+    log_file = log_path.open("w")
+    server = TritonServer(
+        repo,
+        grpc_port=0,
+        http_port=0,
+        metrics_port=0,
+        log=lambda line: print(line, file=log_file, flush=True),
+    )
+    server.start()
+    _started.append(server)
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """The shipped `model_repo/cpu`, exactly as `make run` serves it."""
+    server = _start(CPU_REPO, tmp_path_factory.mktemp("logs") / "triton-cpu.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """Engine variants (static batching, small pools, a tiny queue) in one more Triton."""
+    repo = tmp_path_factory.mktemp("variants")
+    for name, overrides in VARIANTS.items():
+        render_engine(repo, name, overrides)
+    server = _start(repo, tmp_path_factory.mktemp("logs") / "triton-variants.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def kv_pool_back_to_free() -> Iterator[None]:
+    """After every test, every engine of every running Triton is idle with all blocks free."""
+    yield
+    for server in _started:
+        if not server.running:
+            continue
+        for model in sorted(engine_models(scrape(server.metrics_url))):
+            wait_engine_idle(server.metrics_url, model)

@@ -1,0 +1,144 @@
+"""The embedded Triton launcher: real tritonserver processes, real ports, real failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from scheduler_svc.errors import BackendStubMissingError, ModelLoadError, PortInUseError
+from scheduler_svc.triton.distribution import TritonDistribution
+from scheduler_svc.triton.launcher import TritonServer, _port_is_free
+
+IDENTITY_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "y" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+IDENTITY_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "x").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x)]))
+        return out
+"""
+BROKEN_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("weights missing at /nowhere/model.bin")
+"""
+
+
+def make_repo(root: Path, models: dict[str, str]) -> Path:
+    for name, source in models.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(IDENTITY_CONFIG)
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
+    return root
+
+
+def test_starts_on_free_ports_and_stops_cleanly(tmp_path: Path) -> None:
+    server = TritonServer(
+        make_repo(tmp_path, {"identity": IDENTITY_MODEL}), grpc_port=0, http_port=0, metrics_port=0
+    )
+    with server:
+        ports = server.ports
+        assert len({ports.grpc, ports.http, ports.metrics}) == 3
+        assert server.running
+        assert not _port_is_free(ports.grpc)
+    assert not server.running
+    assert all(_port_is_free(p) for p in (ports.grpc, ports.http, ports.metrics))
+
+
+def test_a_taken_port_is_named(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = TritonServer(
+            make_repo(tmp_path, {"identity": IDENTITY_MODEL}),
+            grpc_port=port,
+            http_port=0,
+            metrics_port=0,
+        )
+        with pytest.raises(PortInUseError, match=f"grpc port {port} is already in use"):
+            server.start()
+    assert not server.running
+
+
+def test_a_model_that_fails_to_load_is_named_with_tritons_reason(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path, {"identity": IDENTITY_MODEL, "broken": BROKEN_MODEL})
+    server = TritonServer(repo, grpc_port=0, http_port=0, metrics_port=0)
+    with pytest.raises(ModelLoadError) as caught:
+        server.start()
+    assert caught.value.model == "broken"
+    assert "weights missing at /nowhere/model.bin" in caught.value.reason
+    assert "Traceback" not in str(caught.value)
+    assert not server.running
+
+
+def test_a_missing_backend_stub_is_explained(tmp_path: Path) -> None:
+    empty = TritonDistribution(tmp_path / "tritonserver")
+    with pytest.raises(BackendStubMissingError, match="no Python backend stub for Python"):
+        empty.prepare_backends(tmp_path / "work")
+
+
+def test_cli_runs_in_the_foreground_and_stops_on_sigint(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path, {"identity": IDENTITY_MODEL})
+    cli = [
+        sys.executable,
+        "-m",
+        "scheduler_svc.cli",
+        "triton",
+        "--model-repo",
+        str(repo),
+        "--quiet",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("tritonserver ready"), first + proc.stderr.read()  # type: ignore[union-attr]
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc.cli",
+            "triton",
+            "--model-repo",
+            str(tmp_path / "nope"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: model repository") and "Traceback" not in done.stderr
