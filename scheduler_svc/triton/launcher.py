@@ -57,7 +57,9 @@ def free_port() -> int:
 
 
 def _port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` now (connections in TIME_WAIT do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("0.0.0.0", port))
         except OSError:
