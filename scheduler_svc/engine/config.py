@@ -37,11 +37,11 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     vocab_size: int = Field(DEEPSEEK_V4_VOCAB_SIZE, ge=16, description="Vocabulary size.")
-    hidden_size: int = Field(128, ge=8, le=8192, description="Model width.")
+    hidden_size: int = Field(64, ge=8, le=8192, description="Model width.")
     num_layers: int = Field(6, ge=1, le=128, description="Decoder layers.")
     num_heads: int = Field(2, ge=1, le=128, description="Attention heads (K/V heads equal).")
     head_dim: int = Field(64, ge=8, le=256, description="Width of one attention head.")
-    intermediate_size: int = Field(512, ge=8, description="MLP inner width.")
+    intermediate_size: int = Field(1024, ge=8, description="MLP inner width.")
     seed: int = Field(0, ge=0, description="Seed of the random weights.")
 
 

@@ -179,10 +179,12 @@ class ModelRunner:
             return []
         logits = self.model.lm_head(hidden[torch.tensor(last_index)])
         emitting = [w for w in works if w.emits]
-        return [
-            self._sample(row, w.seq.request.sampling, len(w.seq.generated))
-            for row, w in zip(logits, emitting, strict=True)
-        ]
+        chosen = logits.argmax(dim=-1).tolist()  # greedy rows, all in one call
+        for i, work in enumerate(emitting):
+            sampling = work.seq.request.sampling
+            if not sampling.greedy:
+                chosen[i] = self._sample(logits[i], sampling, len(work.seq.generated))
+        return [int(token) for token in chosen]
 
     def _segment(
         self, q0: int, q1: int, start: int, end: int, pad: int, table: list[int]
@@ -212,8 +214,6 @@ class ModelRunner:
         return _Decode(torch.tensor(q_index, dtype=torch.long), block_index, mask)
 
     def _sample(self, logits: torch.Tensor, sampling: Sampling, step: int) -> int:
-        if sampling.greedy:
-            return int(torch.argmax(logits).item())
         scores = logits / max(sampling.temperature, 1e-5)
         if sampling.top_k > 0:
             kth = torch.topk(scores, min(sampling.top_k, scores.numel())).values[-1]
