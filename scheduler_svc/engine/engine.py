@@ -141,11 +141,14 @@ class Engine:
 
     def _turn(self) -> None:
         """One pass of the loop: intake, plan, run, deliver."""
-        tables: list[list[int]] = []
+        with self._lock:
+            in_flight = self._batcher.requests
+        # Asking the server about clients is I/O: never done while holding the lock.
+        gone = {r.key for r in in_flight if self._sink.is_cancelled(r)}
         with self._wake:
             if self._closing:
                 return
-            ended = self._apply_stops_and_cancels()
+            ended = self._apply_stops_and_cancels(gone)
             plan = self._batcher.schedule()
             tables = [self._batcher.pool.table(w.seq.seq_id) for w in plan.works]
         self._report_ended(ended)
@@ -171,17 +174,15 @@ class Engine:
         self._deliver(updates)
         self._maybe_publish(force=False)
 
-    def _apply_stops_and_cancels(self) -> list[tuple[EngineRequest, FinishReason]]:
+    def _apply_stops_and_cancels(self, gone: set[str]) -> list[tuple[EngineRequest, FinishReason]]:
+        """End stopped requests and those whose client went away; caller holds the lock."""
         ended: list[tuple[EngineRequest, FinishReason]] = []
         stops, self._stops = self._stops, []
-        for key in stops:
-            request = self._batcher.cancel(key, FinishReason.STOPPED)
-            if request is not None:
-                ended.append((request, FinishReason.STOPPED))
-        for request in self._batcher.requests:
-            if self._sink.is_cancelled(request):
-                self._batcher.cancel(request.key, FinishReason.CANCELLED)
-                ended.append((request, FinishReason.CANCELLED))
+        for keys, reason in ((stops, FinishReason.STOPPED), (sorted(gone), FinishReason.CANCELLED)):
+            for key in keys:
+                request = self._batcher.cancel(key, reason)
+                if request is not None:
+                    ended.append((request, reason))
         return ended
 
     def _report_ended(self, ended: list[tuple[EngineRequest, FinishReason]]) -> None:
