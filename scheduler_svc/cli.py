@@ -1,18 +1,24 @@
 """Command line: `scheduler-svc <command>`.
 
 Commands:
+  serve    run the sidecar in front of a Triton server
+  run      the embedded default: the bundled Triton with the CPU reference engine, plus the sidecar
   triton   start the bundled tritonserver on a model repository and keep it in the foreground
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from scheduler_svc import __version__
+from scheduler_svc.config import SidecarConfig, load_config
 from scheduler_svc.errors import SchedulerSvcError
 from scheduler_svc.triton.launcher import TritonServer
 
@@ -54,6 +60,83 @@ def _triton(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """CLI flags that were given, as nested config overrides."""
+    flat = {
+        ("triton", "url"): getattr(args, "triton_url", None),
+        ("server", "host"): args.host,
+        ("server", "port"): args.port,
+        ("server", "log_level"): args.log_level,
+    }
+    nested: dict[str, Any] = {}
+    for (section, key), value in flat.items():
+        if value is not None:
+            nested.setdefault(section, {})[key] = value
+    return nested
+
+
+async def _serve_until_signal(cfg: SidecarConfig, on_ready: str = "") -> None:
+    from scheduler_svc.server.app import Sidecar  # noqa: PLC0415 - keeps `triton` light
+
+    sidecar = Sidecar(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    port = await sidecar.start()
+    if on_ready:
+        print(on_ready.format(port=port), flush=True)
+    waiter = asyncio.create_task(sidecar.wait())
+    await asyncio.wait(
+        {waiter, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
+    await sidecar.drain()
+    waiter.cancel()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from scheduler_svc import logs  # noqa: PLC0415
+
+    cfg = load_config(args.config, _overrides(args))
+    logs.configure(cfg.server.log_level)
+    asyncio.run(_serve_until_signal(cfg))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Triton with the reference engine, then the sidecar in front of it, until Ctrl-C."""
+    from scheduler_svc import logs  # noqa: PLC0415
+
+    log_file = Path(args.triton_log)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w") as triton_log:
+        server = TritonServer(
+            args.model_repo,
+            grpc_port=args.triton_grpc_port,
+            http_port=args.triton_http_port,
+            metrics_port=args.triton_metrics_port,
+            log=lambda line: print(line, file=triton_log, flush=True),
+        )
+        print(f"starting tritonserver on {args.model_repo} (log: {log_file}) ...", flush=True)
+        server.start()
+        try:
+            overrides = _overrides(args)
+            overrides.setdefault("triton", {})["url"] = server.grpc_url
+            cfg = load_config(args.config, overrides)
+            logs.configure(cfg.server.log_level)
+            ready = (
+                f"tritonserver  gRPC {server.grpc_url}  HTTP {server.http_url}  "
+                f"metrics {server.metrics_url}\n"
+                "sidecar       gRPC 127.0.0.1:{port}  "
+                "(scheduler.v1, KServe v2, health, reflection)\n"
+                "Ctrl-C stops both."
+            )
+            asyncio.run(_serve_until_signal(cfg, on_ready=ready))
+        finally:
+            server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scheduler-svc",
@@ -62,6 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"scheduler-svc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    def sidecar_flags(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument("--config", help="YAML config file (see config.example.yaml)")
+        cmd.add_argument("--host", help="listen address (server.host)")
+        cmd.add_argument("--port", type=int, help="gRPC port, 0 for a free one (server.port)")
+        cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    serve = commands.add_parser("serve", help="run the sidecar in front of a Triton server")
+    serve.add_argument("--triton-url", help="Triton gRPC address HOST:PORT (triton.url)")
+    sidecar_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    run = commands.add_parser("run", help="the embedded default: bundled Triton + the sidecar")
+    run.add_argument("--model-repo", default="model_repo/cpu", help="model repository folder")
+    run.add_argument("--triton-grpc-port", type=int, default=8001)
+    run.add_argument("--triton-http-port", type=int, default=8000)
+    run.add_argument("--triton-metrics-port", type=int, default=8002)
+    run.add_argument("--triton-log", default="results/triton.log", help="where Triton's log goes")
+    sidecar_flags(run)
+    run.set_defaults(func=_run)
 
     triton = commands.add_parser(
         "triton", help="run the bundled tritonserver on a model repository"

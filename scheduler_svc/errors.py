@@ -1,22 +1,44 @@
-"""The project's error tree. Each error has a fixed `type` string (usable as a metric label).
+"""The project's error tree and its one mapping to gRPC status codes.
+
+Each error has a fixed `type` string (a metric label) and a gRPC status in `GRPC_STATUS`.
 
 SchedulerSvcError
-└── LauncherError                 the embedded Triton could not be started or stopped
-    ├── TritonNotInstalledError   no bundled tritonserver (install the `triton` extra)
-    ├── BackendStubMissingError   no Python backend stub for this interpreter
-    ├── PortInUseError            a requested port is taken
-    ├── ModelLoadError            a model failed to load; names the model and Triton's reason
-    ├── TritonExitedError         tritonserver exited for another reason
-    └── TritonStartTimeoutError   tritonserver did not become ready in time
+├── ConfigError                   a configuration value is wrong (names the field)
+├── LauncherError                 the embedded Triton could not be started or stopped
+│   ├── TritonNotInstalledError   no bundled tritonserver (install the `triton` extra)
+│   ├── BackendStubMissingError   no Python backend stub for this interpreter
+│   ├── PortInUseError            a requested port is taken
+│   ├── ModelLoadError            a model failed to load; names the model and Triton's reason
+│   ├── TritonExitedError         tritonserver exited for another reason
+│   └── TritonStartTimeoutError   tritonserver did not become ready in time
+└── RequestError                  one request could not be served
+    ├── BadRequestError           the request itself is wrong            INVALID_ARGUMENT
+    ├── UnknownModelError         a model this sidecar does not front    NOT_FOUND
+    ├── OverloadedError           the sidecar's queue is full            RESOURCE_EXHAUSTED
+    ├── BackendBusyError          the engine's own queue is full         RESOURCE_EXHAUSTED
+    ├── QueueTimeoutError         waited past its queue timeout          DEADLINE_EXCEEDED
+    ├── DeadlineError             the client's deadline passed           DEADLINE_EXCEEDED
+    ├── BackendUnavailableError   Triton cannot be reached / not ready   UNAVAILABLE
+    ├── BackendFailedError        Triton failed the request              UNAVAILABLE
+    └── ShuttingDownError         the sidecar is draining                UNAVAILABLE
 """
 
 from __future__ import annotations
+
+import grpc
 
 
 class SchedulerSvcError(Exception):
     """Base of every error scheduler_svc raises on purpose."""
 
     type = "internal"
+
+
+class ConfigError(SchedulerSvcError):
+    type = "config"
+
+
+# -- the embedded Triton --------------------------------------------------------------------
 
 
 class LauncherError(SchedulerSvcError):
@@ -57,3 +79,96 @@ class TritonExitedError(LauncherError):
 
 class TritonStartTimeoutError(LauncherError):
     type = "triton_start_timeout"
+
+
+# -- one request ----------------------------------------------------------------------------
+
+
+class RequestError(SchedulerSvcError):
+    """A request that ends in an error; `retry_after_s` is sent as a hint when set."""
+
+    type = "request"
+    retry_after_s: float | None = None
+
+
+class BadRequestError(RequestError):
+    type = "bad_request"
+
+
+class UnknownModelError(RequestError):
+    type = "unknown_model"
+
+
+class OverloadedError(RequestError):
+    type = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendBusyError(RequestError):
+    type = "backend_busy"
+    retry_after_s = 0.5
+
+
+class QueueTimeoutError(RequestError):
+    type = "queue_timeout"
+
+
+class DeadlineError(RequestError):
+    type = "deadline"
+
+
+class BackendUnavailableError(RequestError):
+    type = "backend_unavailable"
+
+
+class BackendFailedError(RequestError):
+    type = "backend_failed"
+
+
+class ShuttingDownError(RequestError):
+    type = "shutting_down"
+
+
+GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
+    BadRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownModelError: grpc.StatusCode.NOT_FOUND,
+    OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    BackendBusyError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    QueueTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    BackendUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    BackendFailedError: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_status(error: RequestError) -> grpc.StatusCode:
+    """The status a request error is answered with (UNAVAILABLE for anything unlisted)."""
+    for cls in type(error).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]
+    return grpc.StatusCode.UNAVAILABLE
+
+
+# The texts of Triton and TensorRT-LLM errors that arrive as plain strings (stream errors carry
+# no status code), mapped to our errors. First match wins; anything else is BackendFailedError.
+BACKEND_MESSAGES: list[tuple[str, type[RequestError]]] = [
+    ("Exceeds maximum queue size", BackendBusyError),
+    ("can never run", BadRequestError),
+    ("input_ids:", BadRequestError),
+    ("input_lengths:", BadRequestError),
+    ("request_output_len:", BadRequestError),
+    ("is outside the vocabulary", BadRequestError),
+    ("Request timeout expired", QueueTimeoutError),
+]
+
+
+def from_backend_message(message: str) -> RequestError:
+    """Classify a backend error text."""
+    for needle, cls in BACKEND_MESSAGES:
+        if needle in message:
+            return cls(f"backend: {message}")
+    return BackendFailedError(f"backend failed the request: {message}")

@@ -1,0 +1,169 @@
+"""The Triton adapter: TensorRT-LLM's `tensorrt_llm` contract over Triton's gRPC stream API.
+
+Every request goes out on its own `ModelStreamInfer` call with `streaming=true`, so tokens come
+back as the engine makes them and closing the stream (client gone, deadline, stop string)
+cancels the request inside Triton, which frees its KV blocks. Errors become the sidecar's error
+types here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.config import TritonConfig
+from scheduler_svc.errors import (
+    BackendBusyError,
+    BackendFailedError,
+    BackendUnavailableError,
+    BadRequestError,
+    DeadlineError,
+    RequestError,
+    from_backend_message,
+)
+
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+def _tensor(
+    request: service_pb2.ModelInferRequest, name: str, datatype: str, value: npt.NDArray[Any]
+) -> None:
+    tensor = request.inputs.add()
+    tensor.name = name
+    tensor.datatype = datatype
+    tensor.shape.extend(value.shape)
+    request.raw_input_contents.append(value.tobytes())
+
+
+def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferRequest:
+    """The ModelInferRequest for one row of the `tensorrt_llm` contract."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=inp.request_id)
+    ids = np.asarray([list(inp.prompt_ids)], dtype="<i4")
+    _tensor(request, "input_ids", "INT32", ids)
+    _tensor(request, "input_lengths", "INT32", np.asarray([[ids.shape[1]]], dtype="<i4"))
+    _tensor(request, "request_output_len", "INT32", np.asarray([[inp.max_tokens]], dtype="<i4"))
+    _tensor(request, "end_id", "INT32", np.asarray([[inp.end_id]], dtype="<i4"))
+    _tensor(request, "pad_id", "INT32", np.asarray([[inp.pad_id]], dtype="<i4"))
+    _tensor(request, "streaming", "BOOL", np.asarray([[True]], dtype=np.bool_))
+    if inp.temperature > 0:
+        # TensorRT-LLM decodes greedily when top_k and top_p are both 0: a temperature alone
+        # must still sample, so it goes with the full nucleus.
+        top_p = inp.top_p if inp.top_p > 0 else 1.0
+        _tensor(request, "temperature", "FP32", np.asarray([[inp.temperature]], dtype="<f4"))
+        _tensor(request, "runtime_top_k", "INT32", np.asarray([[inp.top_k]], dtype="<i4"))
+        _tensor(request, "runtime_top_p", "FP32", np.asarray([[top_p]], dtype="<f4"))
+        _tensor(request, "random_seed", "UINT64", np.asarray([[inp.seed]], dtype="<u8"))
+    return request
+
+
+def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
+    """The generated ids in one response ([] for an empty final response)."""
+    for index, tensor in enumerate(response.outputs):
+        if tensor.name == "output_ids":
+            if index < len(response.raw_output_contents):
+                raw = response.raw_output_contents[index]
+                return [int(t) for t in np.frombuffer(raw, dtype="<i4")]
+            return [int(t) for t in tensor.contents.int_contents]
+    return []
+
+
+def is_final(response: service_pb2.ModelInferResponse) -> bool:
+    param = response.parameters.get("triton_final_response")
+    return bool(param is not None and param.bool_param)
+
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[RequestError]] = {
+    grpc.StatusCode.UNAVAILABLE: BackendUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
+    grpc.StatusCode.INVALID_ARGUMENT: BadRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendBusyError,
+}
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> RequestError:
+    cls = _STATUS_ERRORS.get(error.code(), BackendFailedError)
+    if cls is BackendUnavailableError:
+        return cls(f"Triton is unreachable: {error.details()}")
+    if cls is DeadlineError:
+        return cls("the deadline passed while Triton was generating")
+    return cls(f"Triton: {error.details()}")
+
+
+class TritonBackend:
+    """A `Backend` on one Triton gRPC endpoint."""
+
+    def __init__(self, cfg: TritonConfig) -> None:
+        self.cfg = cfg
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+
+    async def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            self.cfg.url,
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ],
+        )
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    @property
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        if self._stub is None:
+            raise RuntimeError("TritonBackend.start() was not awaited")
+        return self._stub
+
+    async def ready(self) -> bool:
+        timeout = self.cfg.connect_timeout_s
+        try:
+            server = await self.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout)
+            if not server.ready:
+                return False
+            model = await self.stub.ModelReady(
+                service_pb2.ModelReadyRequest(name=self.cfg.engine_model), timeout=timeout
+            )
+            return bool(model.ready)
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
+        message = build_request(self.cfg.engine_model, request)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
+            yield message
+            await done.wait()  # keep our side open until the answer is complete
+
+        call = self.stub.ModelStreamInfer(requests(), timeout=request.timeout_s)
+        finished = False
+        try:
+            async for response in call:
+                if response.error_message:
+                    raise from_backend_message(response.error_message)
+                infer = response.infer_response
+                ids = output_ids(infer)
+                final = is_final(infer)
+                if ids:
+                    yield ids
+                if final:
+                    finished = True
+                    return
+            raise BackendFailedError("Triton closed the stream before the final response")
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            done.set()
+            if not finished:
+                call.cancel()

@@ -1,0 +1,133 @@
+"""The sidecar's configuration: one frozen, validated model, loaded from YAML plus CLI overrides.
+
+Every field has bounds and a description. `load_config` names the field at fault when a value is
+wrong (`queue.max_queued: Input should be greater than or equal to 0`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler_svc.errors import ConfigError
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TritonConfig(_Frozen):
+    """Where the backend is and what it serves."""
+
+    url: str = Field("127.0.0.1:8001", min_length=3, description="Triton gRPC address HOST:PORT.")
+    engine_model: str = Field(
+        "tensorrt_llm", min_length=1, description="The model with TensorRT-LLM's tensor contract."
+    )
+    health_interval_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds between readiness checks of Triton."
+    )
+    connect_timeout_s: float = Field(
+        5.0, gt=0, le=120, description="Seconds a readiness check or metadata call may take."
+    )
+
+
+class ModelConfig(_Frozen):
+    """The model as clients see it: its tokenizer, limits and KServe names."""
+
+    tokenizer_dir: str = Field(
+        "deepseek-v4",
+        description="Folder with the model's tokenizer.json; `deepseek-v4` is the packaged one.",
+    )
+    kserve_model: str = Field(
+        "ensemble", min_length=1, description="Model name the KServe front answers for (text)."
+    )
+    max_input_tokens: int = Field(4096, ge=1, description="Longest prompt accepted, in tokens.")
+    max_output_tokens: int = Field(1024, ge=1, description="Largest max_tokens accepted.")
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request omits it.")
+    end_id: int = Field(1, ge=-1, description="The model's end token id (-1: none).")
+    pad_id: int = Field(2, ge=0, description="The model's pad token id.")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> ModelConfig:
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError("default_max_tokens must not exceed max_output_tokens")
+        return self
+
+
+class QueueConfig(_Frozen):
+    """The sidecar's own admission control."""
+
+    scheduler: str = Field("fifo", pattern="^fifo$", description="Scheduling policy.")
+    max_queued: int = Field(256, ge=0, le=1_000_000, description="Requests allowed to wait.")
+    max_in_flight: int = Field(
+        16, ge=1, le=100_000, description="Requests dispatched to the backend at once."
+    )
+    retry_after_s: float = Field(
+        0.5, ge=0, le=3600, description="Retry hint sent with RESOURCE_EXHAUSTED."
+    )
+    default_queue_timeout_s: float | None = Field(
+        None, gt=0, description="Longest wait before dispatch when the client sets none."
+    )
+
+
+class ServerConfig(_Frozen):
+    """Where the sidecar listens and how it stops."""
+
+    host: str = Field("0.0.0.0", min_length=1, description="Listen address.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port for every service (0: free).")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request message accepted."
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, le=3600, description="On SIGTERM, how long in-flight requests may finish."
+    )
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="Log level.")
+
+
+class SidecarConfig(_Frozen):
+    """Everything `scheduler-svc serve` needs."""
+
+    triton: TritonConfig = Field(default_factory=TritonConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> SidecarConfig:
+    """Read YAML (if given), apply nested overrides, validate; raise ConfigError naming fields."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+    data = _merge(data, overrides or {})
+    try:
+        return SidecarConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config: {problems}") from None

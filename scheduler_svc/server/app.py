@@ -1,0 +1,129 @@
+"""The sidecar process: one grpc.aio server hosting every front on one port.
+
+Lifecycle: `start` (bind, serve, begin watching Triton's readiness) → `wait` → `drain` (health
+says NOT_SERVING, new calls are refused, in-flight ones get `drain_grace_s` to finish) → done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tritonclient.grpc import service_pb2_grpc as kv_grpc
+
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.backends.base import Backend
+from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.config import SidecarConfig
+from scheduler_svc.core.fifo import FifoScheduler
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.server import kserve, scheduler_v1
+from scheduler_svc.service import GenerationService
+from scheduler_svc.tokenizer import load_tokenizer
+
+log = structlog.get_logger("scheduler_svc.server")
+
+SERVICES = (
+    scheduler_v1.SERVICE,
+    pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+    kserve.SERVICE,
+)
+
+
+class Sidecar:
+    def __init__(self, cfg: SidecarConfig, backend: Backend | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend or TritonBackend(cfg.triton)
+        self.dispatcher = Dispatcher(
+            FifoScheduler(cfg.queue.max_queued, cfg.queue.max_in_flight, cfg.queue.retry_after_s)
+        )
+        self.service = GenerationService(
+            cfg, load_tokenizer(cfg.model.tokenizer_dir), self.dispatcher, self.backend
+        )
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind and start serving; return the port (useful when the config says 0)."""
+        server_cfg = self.cfg.server
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ]
+        )
+        self._server.add_generic_rpc_handlers(
+            (scheduler_v1.SchedulerFront(self.service).handler(),)
+        )
+        pb_grpc.add_AdminServicer_to_server(  # type: ignore[no-untyped-call]
+            scheduler_v1.AdminFront(self.service, self.dispatcher), self._server
+        )
+        kv_grpc.add_GRPCInferenceServiceServicer_to_server(
+            kserve.KServeFront(self.service, lambda: self.draining), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.port = self._server.add_insecure_port(f"{server_cfg.host}:{server_cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
+        await self.backend.start()
+        self.dispatcher.start()
+        await self._set_health(False)
+        await self._server.start()
+        self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
+        log.info(
+            "sidecar ready",
+            port=self.port,
+            triton=self.cfg.triton.url,
+            scheduler=self.dispatcher.scheduler.name,
+        )
+        return self.port
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+
+    async def _watch_backend(self) -> None:
+        """Keep readiness current: Triton's answer, and NOT_SERVING once draining."""
+        while True:
+            ready = await self.backend.ready()
+            if ready != self.service.backend_ready:
+                log.info("backend readiness changed", ready=ready, triton=self.cfg.triton.url)
+            self.service.backend_ready = ready
+            await self._set_health(ready and not self.draining)
+            await asyncio.sleep(self.cfg.triton.health_interval_s)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, give in-flight ones `grace_s` to finish, then stop everything."""
+        grace = self.cfg.server.drain_grace_s if grace_s is None else grace_s
+        self.draining = True
+        log.info("draining", grace_s=grace, in_flight=self.dispatcher.stats().in_flight)
+        await self._set_health(False)
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self.dispatcher.close()
+        await self.backend.close()
+        log.info("stopped", finished=dict(self.service.outcomes))

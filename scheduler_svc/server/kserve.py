@@ -1,0 +1,317 @@
+"""Triton's own `inference.GRPCInferenceService` (KServe v2) for the ensemble text contract.
+
+A stock tritonclient program points at the sidecar instead of Triton: `text_input`, `max_tokens`,
+`stream` and the optional `temperature` / `top_k` / `top_p` / `random_seed` in, `text_output` out,
+unary (`ModelInfer`) or streaming (`ModelStreamInfer`, one response per text delta when `stream`
+is true, the last flagged `triton_final_response`). Triton's request parameters `priority`
+(1 is most urgent) and `timeout` (microseconds in the queue) are honoured here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as kv
+from tritonclient.grpc import service_pb2_grpc as kv_grpc
+
+from scheduler_svc import __version__
+from scheduler_svc.core.types import Urgency
+from scheduler_svc.errors import BadRequestError, RequestError, UnknownModelError
+from scheduler_svc.server.status import Context, abort
+from scheduler_svc.service import Delta, Final, GenerationParams, GenerationService
+
+SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    datatype: str
+    config_type: int
+    optional: bool
+
+
+INPUTS: dict[str, _Spec] = {
+    "text_input": _Spec("BYTES", mc.TYPE_STRING, False),
+    "max_tokens": _Spec("INT32", mc.TYPE_INT32, False),
+    "stream": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "temperature": _Spec("FP32", mc.TYPE_FP32, True),
+    "top_k": _Spec("INT32", mc.TYPE_INT32, True),
+    "top_p": _Spec("FP32", mc.TYPE_FP32, True),
+    "random_seed": _Spec("UINT64", mc.TYPE_UINT64, True),
+}
+OUTPUT = "text_output"
+_NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
+
+
+def _deserialize_bytes(raw: bytes) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then data."""
+    items, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise BadRequestError("text_input: truncated BYTES tensor")
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise BadRequestError("text_input: truncated BYTES tensor")
+        items.append(raw[offset : offset + size])
+        offset += size
+    return items
+
+
+def _serialize_bytes(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _values(
+    request: kv.ModelInferRequest, index: int, tensor: kv.ModelInferRequest.InferInputTensor
+) -> list[object]:
+    name, spec = tensor.name, INPUTS[tensor.name]
+    if index < len(request.raw_input_contents):
+        raw = request.raw_input_contents[index]
+        if spec.datatype == "BYTES":
+            return list(_deserialize_bytes(raw))
+        try:
+            return list(np.frombuffer(raw, dtype=_NUMPY[spec.datatype]).tolist())
+        except ValueError:
+            raise BadRequestError(
+                f"{name}: {len(raw)} bytes do not hold {spec.datatype} values"
+            ) from None
+    contents = tensor.contents
+    field = {
+        "BYTES": contents.bytes_contents,
+        "INT32": contents.int_contents,
+        "FP32": contents.fp32_contents,
+        "UINT64": contents.uint64_contents,
+        "BOOL": contents.bool_contents,
+    }[spec.datatype]
+    return list(field)
+
+
+def _parameter(request: kv.ModelInferRequest, key: str) -> int | None:
+    if key not in request.parameters:
+        return None
+    param = request.parameters[key]
+    which = param.WhichOneof("parameter_choice")
+    if which in ("int64_param", "uint64_param"):
+        return int(getattr(param, which))
+    raise BadRequestError(f"parameter {key}: expected an integer, got {which}")
+
+
+def _urgency(priority: int | None) -> Urgency:
+    """Triton's priority: 1 is the most urgent level, 0 means the default."""
+    if priority is None or priority == 0:
+        return Urgency.STANDARD
+    if priority < 0:
+        raise BadRequestError(f"parameter priority: {priority} is negative")
+    return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
+
+
+def parse_infer_request(
+    request: kv.ModelInferRequest, model: str, time_remaining_s: float | None
+) -> tuple[GenerationParams, bool]:
+    """The generation parameters of a text-contract request, and whether it streams."""
+    if request.model_name != model:
+        raise UnknownModelError(f"model '{request.model_name}' is not served here (try '{model}')")
+    values: dict[str, object] = {}
+    for index, tensor in enumerate(request.inputs):
+        spec = INPUTS.get(tensor.name)
+        if spec is None:
+            raise BadRequestError(f"unknown input '{tensor.name}' for model '{model}'")
+        if tensor.datatype != spec.datatype:
+            raise BadRequestError(
+                f"input '{tensor.name}' has data type {tensor.datatype}, expected {spec.datatype}"
+            )
+        items = _values(request, index, tensor)
+        if len(items) != 1 or any(d != 1 for d in tensor.shape):
+            raise BadRequestError(
+                f"input '{tensor.name}' has shape {list(tensor.shape)}: the sidecar takes one "
+                "prompt per request (shape [1, 1])"
+            )
+        values[tensor.name] = items[0]
+    for name, spec in INPUTS.items():
+        if not spec.optional and name not in values:
+            raise BadRequestError(f"missing required input '{name}'")
+    for output in request.outputs:
+        if output.name != OUTPUT:
+            raise BadRequestError(f"unknown output '{output.name}' (this model has '{OUTPUT}')")
+    raw_text = values["text_input"]
+    assert isinstance(raw_text, bytes)
+    try:
+        text = raw_text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(
+            f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    timeout_us = _parameter(request, "timeout")
+    if timeout_us is not None and timeout_us < 0:
+        raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
+    max_tokens = int(values["max_tokens"])  # type: ignore[call-overload]
+    if max_tokens < 1:
+        raise BadRequestError(f"max_tokens: {max_tokens}, must be at least 1")
+    params = GenerationParams(
+        request_id=request.id,
+        prompt=text,
+        max_tokens=max_tokens,
+        temperature=float(values.get("temperature", 0.0)),  # type: ignore[arg-type]
+        top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
+        top_p=float(values.get("top_p", 0.0)),  # type: ignore[arg-type]
+        seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
+        urgency=_urgency(_parameter(request, "priority")),
+        queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
+        time_remaining_s=time_remaining_s,
+    )
+    return params, bool(values.get("stream", False))
+
+
+def _response(
+    request: kv.ModelInferRequest, text: str, final: bool | None = None
+) -> kv.ModelInferResponse:
+    response = kv.ModelInferResponse(
+        model_name=request.model_name, model_version="1", id=request.id
+    )
+    out = response.outputs.add()
+    out.name, out.datatype = OUTPUT, "BYTES"
+    out.shape.extend([1, 1])
+    response.raw_output_contents.append(_serialize_bytes([text.encode("utf-8")]))
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
+    return response
+
+
+def _stream_response(
+    request: kv.ModelInferRequest, text: str, final: bool
+) -> kv.ModelStreamInferResponse:
+    return kv.ModelStreamInferResponse(infer_response=_response(request, text, final=final))
+
+
+class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, service: GenerationService, draining: Callable[[], bool]) -> None:
+        self.service = service
+        self.model = service.cfg.model.kserve_model
+        self._draining = draining
+
+    def _ready(self) -> bool:
+        return self.service.backend_ready and not self._draining()
+
+    # -- health and metadata -----------------------------------------------------------------
+
+    async def ServerLive(
+        self, request: kv.ServerLiveRequest, context: Context
+    ) -> kv.ServerLiveResponse:
+        return kv.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: kv.ServerReadyRequest, context: Context
+    ) -> kv.ServerReadyResponse:
+        return kv.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(
+        self, request: kv.ModelReadyRequest, context: Context
+    ) -> kv.ModelReadyResponse:
+        return kv.ModelReadyResponse(ready=request.name == self.model and self._ready())
+
+    async def ServerMetadata(
+        self, request: kv.ServerMetadataRequest, context: Context
+    ) -> kv.ServerMetadataResponse:
+        return kv.ServerMetadataResponse(name="scheduler_svc", version=__version__, extensions=[])
+
+    async def _known(self, name: str, context: Context) -> None:
+        if name != self.model:
+            await abort(
+                context,
+                UnknownModelError(f"model '{name}' is not served here (try '{self.model}')"),
+            )
+
+    async def ModelMetadata(
+        self, request: kv.ModelMetadataRequest, context: Context
+    ) -> kv.ModelMetadataResponse:
+        await self._known(request.name, context)
+        meta = kv.ModelMetadataResponse(name=self.model, versions=["1"], platform="ensemble")
+        for name, spec in INPUTS.items():
+            meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, 1])
+        meta.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1, -1])
+        return meta
+
+    async def ModelConfig(
+        self, request: kv.ModelConfigRequest, context: Context
+    ) -> kv.ModelConfigResponse:
+        await self._known(request.name, context)
+        config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=1)
+        for name, spec in INPUTS.items():
+            config.input.add(
+                name=name, data_type=spec.config_type, dims=[1], optional=spec.optional
+            )
+        config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
+        config.model_transaction_policy.decoupled = True
+        return kv.ModelConfigResponse(config=config)
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def ModelInfer(
+        self, request: kv.ModelInferRequest, context: Context
+    ) -> kv.ModelInferResponse:
+        try:
+            params, _ = parse_infer_request(request, self.model, context.time_remaining())
+            async with contextlib.aclosing(self.service.generate(params)) as events:
+                async for event in events:
+                    if isinstance(event, Final):
+                        return _response(request, event.text)
+        except RequestError as exc:
+            await abort(context, exc)
+        raise AssertionError("generation ended without a final answer")  # pragma: no cover
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[kv.ModelInferRequest],
+        context: Context,
+    ) -> AsyncIterator[kv.ModelStreamInferResponse]:
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(self._one_streamed(request, out, context))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _one_streamed(
+        self,
+        request: kv.ModelInferRequest,
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None],
+        context: Context,
+    ) -> None:
+        try:
+            params, stream = parse_infer_request(request, self.model, context.time_remaining())
+            held: str | None = None  # the latest delta, sent once we know if it is the last
+            async with contextlib.aclosing(self.service.generate(params)) as events:
+                async for event in events:
+                    if isinstance(event, Delta):
+                        if stream and event.text:
+                            if held is not None:
+                                await out.put(_stream_response(request, held, final=False))
+                            held = event.text
+                        continue
+                    text = (held or "") if stream else event.text
+                    await out.put(_stream_response(request, text, final=True))
+        except RequestError as exc:
+            await out.put(kv.ModelStreamInferResponse(error_message=str(exc)))

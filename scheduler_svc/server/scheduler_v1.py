@@ -1,0 +1,151 @@
+"""The `scheduler.v1` front: `Scheduler.Generate`, `Scheduler.GenerateStream`, `Admin.GetStats`.
+
+Requests are parsed inside the handlers (the method handlers take raw bytes), so a malformed
+message, invalid UTF-8 in a string field included, is answered INVALID_ARGUMENT instead of the
+INTERNAL that a failing deserializer would produce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.core.types import Urgency
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.errors import BadRequestError, RequestError
+from scheduler_svc.server.status import Context, abort
+from scheduler_svc.service import Final, Finish, GenerationParams, GenerationService
+
+SERVICE = "scheduler.v1.Scheduler"
+
+_URGENCY = {
+    pb.PRIORITY_UNSPECIFIED: Urgency.STANDARD,
+    pb.PRIORITY_INTERACTIVE: Urgency.INTERACTIVE,
+    pb.PRIORITY_STANDARD: Urgency.STANDARD,
+    pb.PRIORITY_BATCH: Urgency.BATCH,
+}
+_FINISH = {
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+    Finish.STOP: pb.FINISH_REASON_STOP,
+    Finish.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def parse_request(raw: bytes) -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    try:
+        request.ParseFromString(raw)
+    except DecodeError:
+        raise BadRequestError(
+            "request is not a valid scheduler.v1.GenerateRequest (a string field that is not "
+            "UTF-8?)"
+        ) from None
+    return request
+
+
+def to_params(request: pb.GenerateRequest, time_remaining_s: float | None) -> GenerationParams:
+    if request.priority not in _URGENCY:
+        raise BadRequestError(f"priority: unknown value {request.priority}")
+    which = request.WhichOneof("input")
+    return GenerationParams(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt=request.prompt if which == "prompt" else None,
+        token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+        max_tokens=request.max_tokens,
+        temperature=request.sampling.temperature,
+        top_p=request.sampling.top_p,
+        top_k=request.sampling.top_k,
+        seed=request.sampling.seed,
+        stop=tuple(request.stop),
+        urgency=_URGENCY[request.priority],
+        tenant=request.tenant,
+        time_remaining_s=time_remaining_s,
+    )
+
+
+def final_response(final: Final, text: str, token_ids: tuple[int, ...]) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=final.request_id,
+        text=text,
+        token_ids=token_ids,
+        finish_reason=_FINISH[final.finish],
+        usage=pb.Usage(
+            prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens
+        ),
+        timing=pb.Timing(
+            queue_ms=final.queue_ms, time_to_first_token_ms=final.ttft_ms, total_ms=final.total_ms
+        ),
+        lane=final.lane,
+    )
+
+
+class SchedulerFront:
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Generate": grpc.unary_unary_rpc_method_handler(
+                    self.generate, response_serializer=pb.GenerateResponse.SerializeToString
+                ),
+                "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                    self.generate_stream,
+                    response_serializer=pb.GenerateResponse.SerializeToString,
+                ),
+            },
+        )
+
+    async def generate(self, raw: bytes, context: Context) -> pb.GenerateResponse:
+        try:
+            params = to_params(parse_request(raw), context.time_remaining())
+            async with contextlib.aclosing(self.service.generate(params)) as events:
+                async for event in events:
+                    if isinstance(event, Final):
+                        return final_response(event, event.text, event.token_ids)
+        except RequestError as exc:
+            await abort(context, exc)
+        raise AssertionError("generation ended without a final answer")  # pragma: no cover
+
+    async def generate_stream(
+        self, raw: bytes, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            params = to_params(parse_request(raw), context.time_remaining())
+            async with contextlib.aclosing(self.service.generate(params)) as events:
+                async for event in events:
+                    if isinstance(event, Final):
+                        yield final_response(event, "", ())
+                    elif event.text or event.token_ids:
+                        yield pb.GenerateResponse(
+                            request_id=params.request_id, text=event.text, token_ids=event.token_ids
+                        )
+        except RequestError as exc:
+            await abort(context, exc)
+
+
+class AdminFront(pb_grpc.AdminServicer):
+    def __init__(self, service: GenerationService, dispatcher: Dispatcher) -> None:
+        self.service = service
+        self.dispatcher = dispatcher
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:
+        stats = self.dispatcher.stats()
+        return pb.Stats(
+            queued=stats.queued,
+            in_flight=stats.in_flight,
+            max_queued=stats.max_queued,
+            max_in_flight=stats.max_in_flight,
+            accepted_total=self.dispatcher.accepted,
+            rejected_total=self.dispatcher.rejected,
+            finished_total=dict(self.service.outcomes),
+            backend_ready=self.service.backend_ready,
+            scheduler=self.dispatcher.scheduler.name,
+        )

@@ -1,0 +1,264 @@
+"""The request path both fronts share: validate, tokenize, queue, forward, detokenize, account.
+
+`GenerationService.generate` yields `Delta`s as text becomes safe to show and one `Final` at the
+end, or raises a `RequestError`. Whatever happens, the request is released from the scheduler
+exactly once and one log line records how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from enum import StrEnum
+
+import structlog
+from tokenizers import Tokenizer
+
+from scheduler_svc.backends.base import Backend, GenerationInput
+from scheduler_svc.config import SidecarConfig
+from scheduler_svc.core.types import Expired, Request, Urgency
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.errors import (
+    BackendUnavailableError,
+    BadRequestError,
+    QueueTimeoutError,
+    RequestError,
+)
+from scheduler_svc.text import TextStream
+
+log = structlog.get_logger("scheduler_svc.requests")
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class Finish(StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request as either front hands it over, before validation."""
+
+    request_id: str = ""
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    urgency: Urgency = Urgency.STANDARD
+    tenant: str = ""
+    queue_timeout_s: float | None = None
+    # Seconds left until the client's deadline, when it set one.
+    time_remaining_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Final:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish: Finish
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+    lane: str
+
+
+class GenerationService:
+    def __init__(
+        self,
+        cfg: SidecarConfig,
+        tokenizer: Tokenizer,
+        dispatcher: Dispatcher,
+        backend: Backend,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.dispatcher = dispatcher
+        self.backend = backend
+        self.backend_ready = False
+        self.outcomes: Counter[str] = Counter()
+
+    def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
+        if params.token_ids is not None:
+            ids = params.token_ids
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BadRequestError(
+                    f"token_ids: {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
+                )
+        else:
+            ids = tuple(self.tokenizer.encode(params.prompt or "", add_special_tokens=False).ids)
+        if not ids:
+            raise BadRequestError("prompt: empty (give prompt text or token_ids)")
+        limit = self.cfg.model.max_input_tokens
+        if len(ids) > limit:
+            raise BadRequestError(f"prompt: {len(ids)} tokens, the model accepts at most {limit}")
+        return ids
+
+    def _check(self, params: GenerationParams) -> int:
+        """Validate what does not need the tokenizer; return the effective max_tokens."""
+        model = self.cfg.model
+        max_tokens = params.max_tokens or model.default_max_tokens
+        if not 1 <= max_tokens <= model.max_output_tokens:
+            raise BadRequestError(
+                f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"
+            )
+        if params.temperature < 0:
+            raise BadRequestError(f"temperature: {params.temperature} is negative")
+        if not 0 <= params.top_p <= 1:
+            raise BadRequestError(f"top_p: {params.top_p} is outside 0..1")
+        if params.top_k < 0:
+            raise BadRequestError(f"top_k: {params.top_k} is negative")
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
+            raise BadRequestError(f"stop: each string needs 1..{MAX_STOP_CHARS} characters")
+        if params.queue_timeout_s is not None and params.queue_timeout_s <= 0:
+            raise BadRequestError(f"timeout: {params.queue_timeout_s} s is not positive")
+        return max_tokens
+
+    async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
+        run = _Run(request_id=params.request_id or uuid.uuid4().hex, started=time.monotonic())
+        max_tokens = self._check(params)
+        prompt = self._prompt_ids(params)
+        run.prompt_tokens = len(prompt)
+        if not self.backend_ready:
+            raise BackendUnavailableError("the backend is not ready; retry shortly")
+        queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
+        ticket = await self.dispatcher.submit(
+            Request(
+                request_id=run.request_id,
+                prompt_tokens=len(prompt),
+                max_tokens=max_tokens,
+                urgency=params.urgency,
+                tenant=params.tenant,
+                queue_deadline=run.started + queue_timeout if queue_timeout else None,
+            )
+        )
+        try:
+            decision = await ticket.decision
+            run.queued_at = time.monotonic()
+            if isinstance(decision, Expired):
+                raise QueueTimeoutError(
+                    f"waited {run.queue_ms:.0f} ms in the sidecar queue, past the request's "
+                    f"timeout of {(queue_timeout or 0) * 1000:.0f} ms"
+                )
+            run.lane = decision.lane
+            forward = self._forward(run, params, prompt, max_tokens)
+            async with contextlib.aclosing(forward) as events:  # closing it cancels the backend
+                async for event in events:
+                    yield event
+        except asyncio.CancelledError:
+            run.outcome = "cancelled"
+            raise
+        except GeneratorExit:
+            if run.outcome != "ok":  # the front stopped reading before the end: the client left
+                run.outcome = "cancelled"
+            raise
+        except RequestError as exc:
+            run.outcome = exc.type
+            raise
+        finally:
+            self.dispatcher.release(ticket)
+            self.outcomes[run.outcome] += 1
+            run.log_end(params.tenant)
+
+    async def _forward(
+        self, run: _Run, params: GenerationParams, prompt: tuple[int, ...], max_tokens: int
+    ) -> AsyncGenerator[Delta | Final, None]:
+        """Stream from the backend, detokenize, stop at stop strings, end with a Final."""
+        remaining = params.time_remaining_s
+        backend_input = GenerationInput(
+            request_id=run.request_id,
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            end_id=self.cfg.model.end_id,
+            pad_id=self.cfg.model.pad_id,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            timeout_s=None if remaining is None else max(remaining - run.queue_ms / 1000, 0.001),
+        )
+        text = TextStream(self.tokenizer, params.stop)
+        async with contextlib.aclosing(self.backend.stream(backend_input)) as tokens:
+            async for ids in tokens:
+                run.first_token_at = run.first_token_at or time.monotonic()
+                delta = text.push(ids)
+                run.completion_tokens = len(text.ids)
+                yield Delta(delta, tuple(ids))
+                if text.stopped:
+                    break  # leaving the block cancels the rest inside Triton
+        tail = text.finish()
+        if tail:
+            yield Delta(tail, ())
+        ended = time.monotonic()
+        run.outcome = "ok"
+        yield Final(
+            request_id=run.request_id,
+            text=text.text,
+            token_ids=tuple(text.ids),
+            finish=Finish.STOP if text.stopped or len(text.ids) < max_tokens else Finish.LENGTH,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(text.ids),
+            queue_ms=run.queue_ms,
+            ttft_ms=((run.first_token_at or ended) - run.started) * 1000,
+            total_ms=(ended - run.started) * 1000,
+            lane=run.lane,
+        )
+
+
+@dataclass
+class _Run:
+    """What one request's log line records."""
+
+    request_id: str
+    started: float
+    queued_at: float | None = None
+    first_token_at: float | None = None
+    lane: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    outcome: str = "error"
+
+    @property
+    def queue_ms(self) -> float:
+        return ((self.queued_at or time.monotonic()) - self.started) * 1000
+
+    def log_end(self, tenant: str) -> None:
+        now = time.monotonic()
+        log.info(
+            "request end",
+            request_id=self.request_id,
+            tenant=tenant,
+            lane=self.lane,
+            outcome=self.outcome,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            queue_ms=round(self.queue_ms, 2),
+            ttft_ms=round((self.first_token_at - self.started) * 1000, 2)
+            if self.first_token_at
+            else None,
+            total_ms=round((now - self.started) * 1000, 2),
+        )
