@@ -1,7 +1,8 @@
 """The pass-through scheduler: a bounded queue served in arrival order within urgency.
 
 Invariants:
-- len(queue) <= max_queued and len(in_flight) <= max_in_flight at all times;
+- len(in_flight) <= max_in_flight, and len(queue) <= max_queued + free in-flight places (a
+  request admitted while a place is free is dispatched by the next `schedule`);
 - a request id is in at most one of queue and in_flight;
 - order: by urgency (interactive first), then by arrival (a sequence number this object owns);
 - a queued request whose deadline has passed is expired, never dispatched.
@@ -49,7 +50,8 @@ class FifoScheduler:
             return Rejected(
                 rid, RejectReason.DUPLICATE, f"request id {rid!r} is already in use", 0.0
             )
-        if len(self._queued) >= self.max_queued and len(self._in_flight) >= self.max_in_flight:
+        free_slots = self.max_in_flight - len(self._in_flight)
+        if len(self._queued) >= self.max_queued + free_slots:
             return Rejected(
                 rid,
                 RejectReason.QUEUE_FULL,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_svc.triton.launcher import TritonServer
+from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,16 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]
     server = _start(repo, tmp_path_factory.mktemp("logs") / "triton-variants.log")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def sidecar(
+    triton: TritonServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SidecarProcess]:
+    """The real sidecar, default config, in front of the shipped CPU repository."""
+    process = SidecarProcess(triton.grpc_url, tmp_path_factory.mktemp("sidecar")).start()
+    yield process
+    process.stop()
 
 
 @pytest.fixture(autouse=True)

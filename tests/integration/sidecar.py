@@ -1,0 +1,104 @@
+"""The real sidecar as a subprocess (`scheduler-svc serve`) on a free port, for the tests."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+
+
+class SidecarProcess:
+    def __init__(
+        self, triton_url: str, workdir: Path, config: dict[str, Any] | None = None
+    ) -> None:
+        self.triton_url = triton_url
+        self.config_path = workdir / "sidecar.yaml"
+        self.config_path.write_text(yaml.safe_dump(config or {}))
+        self.lines: list[str] = []
+        self.port = 0
+        self._ready = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 60) -> SidecarProcess:
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "scheduler_svc.cli",
+                "serve",
+                "--triton-url",
+                self.triton_url,
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--config",
+                str(self.config_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise AssertionError("the sidecar did not start:\n" + "\n".join(self.lines[-30:]))
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            event = self._event(line)
+            if event and event.get("event") == "sidecar ready":
+                self.port = int(event["port"])
+                self._ready.set()
+
+    @staticmethod
+    def _event(line: str) -> dict[str, Any] | None:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        return event if isinstance(event, dict) else None
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [
+            e for line in list(self.lines) if (e := self._event(line)) and e.get("event") == name
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.url)
+
+    def scheduler(self) -> pb_grpc.SchedulerStub:
+        return pb_grpc.SchedulerStub(self.channel())
+
+    def terminate(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float = 60) -> int:
+        assert self._proc is not None
+        return self._proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()

@@ -1,0 +1,93 @@
+"""KServe v2 requests on the text contract: what is accepted and how refusals read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as kv
+
+from scheduler_svc.core.types import Urgency
+from scheduler_svc.errors import BadRequestError, UnknownModelError
+from scheduler_svc.server.kserve import parse_infer_request
+
+
+def stock_request(**tensors: tuple[str, np.ndarray]) -> kv.ModelInferRequest:
+    """Build the request exactly as tritonclient would put it on the wire."""
+    inputs = []
+    for name, (datatype, value) in tensors.items():
+        item = grpcclient.InferInput(name, list(value.shape), datatype)
+        item.set_data_from_numpy(value)
+        inputs.append(item)
+    request = kv.ModelInferRequest(model_name="ensemble", id="r1")
+    for item in inputs:
+        request.inputs.append(item._get_tensor())
+        request.raw_input_contents.append(item._get_content())
+    return request
+
+
+def text(value: bytes | str = "hello") -> tuple[str, np.ndarray]:
+    return "BYTES", np.array([[value]], dtype=np.object_)
+
+
+def int32(v: int) -> tuple[str, np.ndarray]:
+    return "INT32", np.array([[v]], dtype=np.int32)
+
+
+def test_stock_request_parses_with_sampling_and_parameters() -> None:
+    request = stock_request(
+        text_input=text("你好"),
+        max_tokens=int32(9),
+        stream=("BOOL", np.array([[True]])),
+        temperature=("FP32", np.array([[0.7]], dtype=np.float32)),
+        random_seed=("UINT64", np.array([[5]], dtype=np.uint64)),
+    )
+    request.parameters["priority"].int64_param = 1
+    request.parameters["timeout"].int64_param = 250_000
+    params, stream = parse_infer_request(request, "ensemble", None)
+    assert stream
+    assert params.prompt == "你好" and params.max_tokens == 9 and params.seed == 5
+    assert params.temperature == pytest.approx(0.7)
+    assert params.urgency == Urgency.INTERACTIVE
+    assert params.queue_timeout_s == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "needle"),
+    [
+        ({"max_tokens": int32(3)}, "missing required input 'text_input'"),
+        (
+            {"text_input": text(), "max_tokens": int32(3), "colour": int32(1)},
+            "unknown input 'colour'",
+        ),
+        (
+            {"text_input": text(), "max_tokens": ("INT64", np.array([[3]], dtype=np.int64))},
+            "input 'max_tokens' has data type INT64, expected INT32",
+        ),
+        ({"text_input": text(b"\xff\xfe"), "max_tokens": int32(3)}, "text_input: not valid UTF-8"),
+        (
+            {
+                "text_input": ("BYTES", np.array([[b"a"], [b"b"]], dtype=np.object_)),
+                "max_tokens": int32(3),
+            },
+            "one prompt per request",
+        ),
+        ({"text_input": text(), "max_tokens": int32(0)}, "max_tokens: 0"),
+    ],
+)
+def test_bad_requests_name_the_problem(
+    tensors: dict[str, tuple[str, np.ndarray]], needle: str
+) -> None:
+    with pytest.raises(BadRequestError, match=needle):
+        parse_infer_request(stock_request(**tensors), "ensemble", None)
+
+
+def test_unknown_model_and_parameter_types() -> None:
+    request = stock_request(text_input=text(), max_tokens=int32(3))
+    request.model_name = "llama"
+    with pytest.raises(UnknownModelError, match="'llama' is not served here"):
+        parse_infer_request(request, "ensemble", None)
+    request.model_name = "ensemble"
+    request.parameters["priority"].string_param = "high"
+    with pytest.raises(BadRequestError, match="parameter priority: expected an integer"):
+        parse_infer_request(request, "ensemble", None)
