@@ -110,6 +110,9 @@ class TritonBackend:
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # Triton is a neighbour (same pod): after a restart, reconnect within seconds.
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
