@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/*/*/*.proto)
 GEN    := scheduler_svc/_gen/.generated
 
-.PHONY: run test lint typecheck unit integration bench-engine clean
+.PHONY: run test lint typecheck unit integration bench-engine bench-sidecar clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -43,6 +43,10 @@ integration: $(GEN)
 # Engine timing (a benchmark, never a test): writes figures for model_repo/README.md.
 bench-engine: $(GEN)
 	$(BIN)/python benchmarks/engine_timing.py
+
+# The sidecar's overhead against Triton alone (a benchmark): figures for docs/sidecar.md.
+bench-sidecar: $(GEN)
+	$(BIN)/python benchmarks/sidecar_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -158,7 +158,9 @@ class Engine:
         self._last_plan = plan
         self._maybe_publish(force=True)
         with self._wake:
-            if not self._closing and not self._stops:
+            # Sleep only if nothing arrived since `schedule` looked: a submit in between has
+            # already notified, and waiting now would sit out the whole poll interval.
+            if not self._closing and not self._stops and self._batcher.idle():
                 self._wake.wait(_IDLE_POLL_S)
 
     def _iterate(self, plan: Plan, tables: list[list[int]]) -> None:

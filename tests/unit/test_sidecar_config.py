@@ -44,3 +44,8 @@ def test_bad_values_name_the_field(tmp_path: Path, yaml_text: str, needle: str) 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_the_example_config_documents_the_defaults() -> None:
+    example = Path(__file__).resolve().parents[2] / "config.example.yaml"
+    assert load_config(example) == load_config(None)
