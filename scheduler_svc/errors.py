@@ -166,6 +166,25 @@ BACKEND_MESSAGES: list[tuple[str, type[RequestError]]] = [
 ]
 
 
+# Triton's own gRPC status codes, for calls that fail as a whole.
+BACKEND_STATUS: dict[grpc.StatusCode, type[RequestError]] = {
+    grpc.StatusCode.UNAVAILABLE: BackendUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
+    grpc.StatusCode.INVALID_ARGUMENT: BadRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendBusyError,
+}
+
+
+def from_backend_status(code: grpc.StatusCode, details: str) -> RequestError:
+    """Classify a failed Triton call by its status code."""
+    cls = BACKEND_STATUS.get(code, BackendFailedError)
+    if cls is BackendUnavailableError:
+        return cls(f"Triton is unreachable: {details}")
+    if cls is DeadlineError:
+        return cls("the deadline passed while Triton was generating")
+    return cls(f"Triton: {details}")
+
+
 def from_backend_message(message: str) -> RequestError:
     """Classify a backend error text."""
     for needle, cls in BACKEND_MESSAGES:

@@ -50,7 +50,8 @@ class GenerationParams:
     request_id: str = ""
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
-    max_tokens: int = 0
+    # None takes the configured default.
+    max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
@@ -119,7 +120,7 @@ class GenerationService:
     def _check(self, params: GenerationParams) -> int:
         """Validate what does not need the tokenizer; return the effective max_tokens."""
         model = self.cfg.model
-        max_tokens = params.max_tokens or model.default_max_tokens
+        max_tokens = model.default_max_tokens if params.max_tokens is None else params.max_tokens
         if not 1 <= max_tokens <= model.max_output_tokens:
             raise BadRequestError(
                 f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"

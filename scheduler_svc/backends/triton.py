@@ -19,15 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.config import TritonConfig
-from scheduler_svc.errors import (
-    BackendBusyError,
-    BackendFailedError,
-    BackendUnavailableError,
-    BadRequestError,
-    DeadlineError,
-    RequestError,
-    from_backend_message,
-)
+from scheduler_svc.errors import BackendFailedError, from_backend_message, from_backend_status
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -77,23 +69,6 @@ def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
     param = response.parameters.get("triton_final_response")
     return bool(param is not None and param.bool_param)
-
-
-_STATUS_ERRORS: dict[grpc.StatusCode, type[RequestError]] = {
-    grpc.StatusCode.UNAVAILABLE: BackendUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
-    grpc.StatusCode.INVALID_ARGUMENT: BadRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendBusyError,
-}
-
-
-def from_rpc_error(error: grpc.aio.AioRpcError) -> RequestError:
-    cls = _STATUS_ERRORS.get(error.code(), BackendFailedError)
-    if cls is BackendUnavailableError:
-        return cls(f"Triton is unreachable: {error.details()}")
-    if cls is DeadlineError:
-        return cls("the deadline passed while Triton was generating")
-    return cls(f"Triton: {error.details()}")
 
 
 class TritonBackend:
@@ -165,7 +140,7 @@ class TritonBackend:
                     return
             raise BackendFailedError("Triton closed the stream before the final response")
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_backend_status(exc.code(), exc.details() or "") from None
         finally:
             done.set()
             if not finished:

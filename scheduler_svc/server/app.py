@@ -78,7 +78,9 @@ class Sidecar:
             raise OSError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
         await self.backend.start()
         self.dispatcher.start()
-        await self._set_health(False)
+        # Know the backend's state before the first call arrives (serving starts either way).
+        self.service.backend_ready = await self.backend.ready()
+        await self._set_health(self.service.backend_ready)
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
         log.info(

@@ -152,8 +152,6 @@ def parse_infer_request(
     if timeout_us is not None and timeout_us < 0:
         raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
     max_tokens = int(values["max_tokens"])  # type: ignore[call-overload]
-    if max_tokens < 1:
-        raise BadRequestError(f"max_tokens: {max_tokens}, must be at least 1")
     params = GenerationParams(
         request_id=request.id,
         prompt=text,

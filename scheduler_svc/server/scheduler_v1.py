@@ -57,7 +57,7 @@ def to_params(request: pb.GenerateRequest, time_remaining_s: float | None) -> Ge
         request_id=request.request_id or uuid.uuid4().hex,
         prompt=request.prompt if which == "prompt" else None,
         token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
-        max_tokens=request.max_tokens,
+        max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
         temperature=request.sampling.temperature,
         top_p=request.sampling.top_p,
         top_k=request.sampling.top_k,

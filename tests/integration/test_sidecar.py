@@ -177,6 +177,11 @@ def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
             "max_tokens: 5000",
         ),
         (
+            pb.GenerateRequest(prompt="hi", max_tokens=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens: 0",
+        ),
+        (
             pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 4097), max_tokens=4),
             grpc.StatusCode.INVALID_ARGUMENT,
             "4097 tokens, the model accepts at most 4096",
@@ -202,7 +207,16 @@ def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
             "larger than max",
         ),
     ],
-    ids=["empty", "max-tokens", "too-long", "bad-token", "top-p", "empty-stop", "oversized"],
+    ids=[
+        "empty",
+        "max-tokens",
+        "zero-tokens",
+        "too-long",
+        "bad-token",
+        "top-p",
+        "empty-stop",
+        "oversized",
+    ],
 )
 def test_bad_scheduler_requests(
     sidecar: SidecarProcess, request_: pb.GenerateRequest, code: grpc.StatusCode, needle: str
@@ -243,6 +257,7 @@ def test_invalid_utf8_and_bad_kserve_tensors_are_invalid_argument(sidecar: Sidec
             {**text_request("hi", 3), "text_input": np.array([[b"\xff"]], dtype=np.object_)},
             "not valid UTF-8",
         ),
+        ({**text_request("hi", 3), "max_tokens": np.array([[0]], dtype=np.int32)}, "max_tokens: 0"),
     ]
     for tensors, needle in bad:
         with pytest.raises(Exception, match=needle) as caught:

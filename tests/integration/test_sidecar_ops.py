@@ -22,7 +22,7 @@ from scheduler_svc.triton.launcher import TritonServer, free_port
 from tests.integration.conftest import CPU_REPO
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess
-from tests.integration.tritonio import make_inputs, text_request
+from tests.integration.tritonio import engine_metric, make_inputs, scrape, text_request
 
 WAIT_S = 60.0
 
@@ -212,3 +212,34 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
     assert any(line.startswith("tritonserver") for line in lines)
+
+
+def test_a_full_engine_queue_is_resource_exhausted(variants: TritonServer, tmp_path: Path) -> None:
+    # The engine runs one sequence and queues one; the sidecar itself would take many more.
+    config = {"triton": {"engine_model": "engine_queue"}, "queue": {"max_in_flight": 8}}
+    sidecar = SidecarProcess(variants.grpc_url, tmp_path, config).start()
+    try:
+        running, _ = occupy(sidecar)
+        queued_call = sidecar.scheduler().GenerateStream(
+            pb.GenerateRequest(prompt=STORY, max_tokens=600)
+        )
+        eventually(
+            lambda: (
+                engine_metric(
+                    scrape(variants.metrics_url),
+                    "nv_trt_llm_request_metrics",
+                    "engine_queue",
+                    request_type="waiting",
+                )
+                == 1
+            ),
+            "the engine queues the second request",
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            sidecar.scheduler().Generate(pb.GenerateRequest(prompt="third", max_tokens=2))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "Exceeds maximum queue size" in caught.value.details()
+        running.cancel()
+        queued_call.cancel()
+    finally:
+        sidecar.stop()

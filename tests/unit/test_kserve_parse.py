@@ -72,7 +72,6 @@ def test_stock_request_parses_with_sampling_and_parameters() -> None:
             },
             "one prompt per request",
         ),
-        ({"text_input": text(), "max_tokens": int32(0)}, "max_tokens: 0"),
     ],
 )
 def test_bad_requests_name_the_problem(
