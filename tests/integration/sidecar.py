@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ class SidecarProcess:
         self.port = 0
         self._ready = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
 
     def start(self, timeout_s: float = 60) -> SidecarProcess:
         self._proc = subprocess.Popen(
@@ -48,7 +51,8 @@ class SidecarProcess:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(timeout_s):
             self.stop()
             raise AssertionError("the sidecar did not start:\n" + "\n".join(self.lines[-30:]))
@@ -76,6 +80,18 @@ class SidecarProcess:
             e for line in list(self.lines) if (e := self._event(line)) and e.get("event") == name
         ]
 
+    def wait_for_events(
+        self, name: str, enough: Callable[[list[dict[str, Any]]], bool], timeout_s: float = 30
+    ) -> list[dict[str, Any]]:
+        """The log is read by a thread: wait until its `name` events satisfy `enough`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = self.events(name)
+            if enough(events):
+                return events
+            time.sleep(0.02)
+        raise AssertionError(f"the sidecar's log never showed the expected {name!r} events")
+
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
@@ -91,8 +107,11 @@ class SidecarProcess:
         self._proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float = 60) -> int:
-        assert self._proc is not None
-        return self._proc.wait(timeout=timeout_s)
+        """Wait for the process to exit and its whole log to be read."""
+        assert self._proc is not None and self._reader is not None
+        code = self._proc.wait(timeout=timeout_s)
+        self._reader.join(timeout_s)
+        return code
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -143,7 +143,9 @@ def test_client_cancellation_mid_stream_frees_engine_blocks(
             break
     wait_engine_idle(triton.metrics_url, ENGINE)
     assert useful_tokens(triton) - before < 100  # stopped long before its 800 tokens
-    assert any(e["outcome"] == "cancelled" for e in sidecar.events("request end"))
+    sidecar.wait_for_events(
+        "request end", lambda ends: any(e["outcome"] == "cancelled" for e in ends)
+    )
 
 
 def test_deadline_is_propagated_to_triton(sidecar: SidecarProcess, triton: TritonServer) -> None:
@@ -295,6 +297,7 @@ def test_one_log_line_per_request_end(sidecar: SidecarProcess) -> None:
     ids = [f"log-{i}" for i in range(3)]
     for rid in ids:
         stub.Generate(pb.GenerateRequest(request_id=rid, prompt="hello", max_tokens=2, tenant="t1"))
+    sidecar.wait_for_events("request end", lambda ends: {e["request_id"] for e in ends} >= set(ids))
     ends = [e for e in sidecar.events("request end") if e["request_id"] in ids]
     assert sorted(e["request_id"] for e in ends) == ids
     for e in ends:

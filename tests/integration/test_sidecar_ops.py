@@ -102,7 +102,9 @@ def test_kserve_timeout_parameter_bounds_the_queue_wait(narrow: SidecarProcess) 
         client.infer("ensemble", make_inputs(text_request("patience", 3)), timeout=300_000)
     assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"  # type: ignore[attr-defined]
     blocker.cancel()
-    assert any(e["outcome"] == "queue_timeout" for e in narrow.events("request end"))
+    narrow.wait_for_events(
+        "request end", lambda ends: any(e["outcome"] == "queue_timeout" for e in ends)
+    )
 
 
 def health_status(sidecar: SidecarProcess) -> int:
