@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -38,7 +38,6 @@ class Ticket:
 
     request_id: str
     decision: asyncio.Future[Decision]
-    submitted_at: float
 
 
 @dataclass
@@ -53,13 +52,6 @@ class _Release:
     dispatched: bool
 
 
-@dataclass
-class _Counters:
-    accepted: int = 0
-    rejected: int = 0
-    tickets: dict[str, Ticket] = field(default_factory=dict)
-
-
 class Dispatcher:
     """Owns a `Scheduler`; everything else sends it messages."""
 
@@ -69,7 +61,9 @@ class Dispatcher:
         self._inbox: asyncio.Queue[_Submit | _Release] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._state = _Counters()
+        self.accepted = 0
+        self.rejected = 0
+        self._tickets: dict[str, Ticket] = {}
 
     # -- handler side ------------------------------------------------------------------------
 
@@ -94,14 +88,6 @@ class Dispatcher:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
-
-    @property
-    def accepted(self) -> int:
-        return self._state.accepted
-
-    @property
-    def rejected(self) -> int:
-        return self._state.rejected
 
     # -- the owner task ----------------------------------------------------------------------
 
@@ -144,13 +130,13 @@ class Dispatcher:
                 self.scheduler.on_done(message.request_id, now)
             else:
                 self.scheduler.cancel(message.request_id, now)
-            self._state.tickets.pop(message.request_id, None)
+            self._tickets.pop(message.request_id, None)
             return
         if message.reply.done():  # the handler gave up before we got here
             return
         verdict = self.scheduler.submit(message.request, now)
         if isinstance(verdict, Rejected):
-            self._state.rejected += 1
+            self.rejected += 1
             error: Exception
             if verdict.reason == RejectReason.DUPLICATE:
                 error = BadRequestError(verdict.message)
@@ -159,15 +145,15 @@ class Dispatcher:
             message.reply.set_exception(error)
             return
         assert isinstance(verdict, Admitted)
-        self._state.accepted += 1
+        self.accepted += 1
         decision: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        ticket = Ticket(message.request.request_id, decision, now)
-        self._state.tickets[ticket.request_id] = ticket
+        ticket = Ticket(message.request.request_id, decision)
+        self._tickets[ticket.request_id] = ticket
         message.reply.set_result(ticket)
 
     def _decide(self, decisions: list[Decision]) -> None:
         for decision in decisions:
-            ticket = self._state.tickets.get(decision.request_id)
+            ticket = self._tickets.get(decision.request_id)
             if ticket is None or ticket.decision.done():
                 # The handler left between our decision and now; its release will follow.
                 continue

@@ -40,7 +40,6 @@ MAX_STOP_CHARS = 256
 class Finish(StrEnum):
     LENGTH = "length"
     STOP = "stop"
-    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)

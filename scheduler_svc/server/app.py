@@ -47,6 +47,7 @@ class Sidecar:
         )
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self._serving: bool | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -92,6 +93,9 @@ class Sidecar:
         return self.port
 
     async def _set_health(self, serving: bool) -> None:
+        if serving == self._serving:
+            return  # watchers are told about changes only
+        self._serving = serving
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving

@@ -112,6 +112,7 @@ class _Metrics:
             counter,
         ).Metric(labels=labels)
         self._last: dict[str, int] = {}
+        self._shown: dict[int, float] = {}
 
     def publish(self, s: EngineStats) -> None:
         for name, value in (
@@ -121,23 +122,23 @@ class _Metrics:
             ("context", s.context_requests),
             ("waiting", s.waiting_requests),
         ):
-            self.requests[name].set(value)
-        self.kv["max"].set(s.kv_max_blocks)
-        self.kv["free"].set(s.kv_free_blocks)
-        self.kv["used"].set(s.kv_used_blocks)
-        self.kv["tokens_per"].set(s.tokens_per_block)
-        self.kv["fraction"].set(s.kv_used_blocks / s.kv_max_blocks)
+            self._set(self.requests[name], value)
+        self._set(self.kv["max"], s.kv_max_blocks)
+        self._set(self.kv["free"], s.kv_free_blocks)
+        self._set(self.kv["used"], s.kv_used_blocks)
+        self._set(self.kv["tokens_per"], s.tokens_per_block)
+        self._set(self.kv["fraction"], s.kv_used_blocks / s.kv_max_blocks)
         if "paused_requests" in self.batcher:
-            self.batcher["total_context_tokens"].set(s.total_context_tokens)
-            self.batcher["generation_requests"].set(s.generation_requests)
-            self.batcher["micro_batch_id"].set(0)
-            self.batcher["paused_requests"].set(s.paused_requests)
+            self._set(self.batcher["total_context_tokens"], s.total_context_tokens)
+            self._set(self.batcher["generation_requests"], s.generation_requests)
+            self._set(self.batcher["micro_batch_id"], 0)
+            self._set(self.batcher["paused_requests"], s.paused_requests)
         else:
-            self.batcher["total_context_tokens"].set(s.total_context_tokens)
-            self.batcher["total_generation_tokens"].set(s.generation_requests)
-            self.batcher["empty_generation_slots"].set(s.empty_generation_slots)
-        self.general["iteration_counter"].set(s.iteration)
-        self.general["timestamp"].set(int(time.time()))
+            self._set(self.batcher["total_context_tokens"], s.total_context_tokens)
+            self._set(self.batcher["total_generation_tokens"], s.generation_requests)
+            self._set(self.batcher["empty_generation_slots"], s.empty_generation_slots)
+        self._set(self.general["iteration_counter"], s.iteration)
+        self._set(self.general["timestamp"], int(time.time()))
         c = s.counts
         for key, value in (
             (("context", "processed"), c.context_processed),
@@ -147,6 +148,12 @@ class _Metrics:
         ):
             self._bump(self.tokens[key], "/".join(key), value)
         self._bump(self.paused_total, "paused", c.paused_total)
+
+    def _set(self, metric: Any, value: float) -> None:
+        """Set a gauge only when it changed: each set is a round trip to the Triton process."""
+        if self._shown.get(id(metric)) != value:
+            metric.set(value)
+            self._shown[id(metric)] = value
 
     def _bump(self, metric: Any, name: str, total: int) -> None:
         delta = total - self._last.get(name, 0)
