@@ -4,12 +4,14 @@ Commands:
   serve    run the sidecar in front of a Triton server
   run      the embedded default: the bundled Triton with the CPU reference engine, plus the sidecar
   triton   start the bundled tritonserver on a model repository and keep it in the foreground
+  simulate replay the source document's scenarios against the policy in virtual time
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Sequence
@@ -137,6 +139,41 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+GOLDEN_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "sim_golden.json"
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from scheduler_svc.sim import suite  # noqa: PLC0415 - only this command needs it
+    from scheduler_svc.sim.report import table  # noqa: PLC0415
+
+    if args.write_golden:
+        result = suite.run_suite(suite.GOLDEN)
+        GOLDEN_PATH.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {GOLDEN_PATH} ({len(result['runs'])} runs)")
+        return 0
+    params = suite.SuiteParams(
+        scenarios=tuple(args.scenario or suite.SuiteParams.scenarios),
+        engines=tuple(args.engine or suite.SuiteParams.engines),
+        targets=tuple(args.target or suite.SuiteParams.targets),
+        seed=args.seed,
+        duration_scale=args.duration_scale,
+        slo_search=not args.no_slo_search,
+    )
+    try:
+        result = suite.run_suite(params, lambda step: print(f"  {step}", file=sys.stderr))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table(result["runs"]))
+    for field in ("goodput_rps", "qps_at_slo"):
+        print(f"policy / fifo, {field}: {suite.ratios(result['runs'], field)}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(f"all figures: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scheduler-svc",
@@ -180,6 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     triton.add_argument("--quiet", action="store_true", help="do not forward Triton's log")
     triton.set_defaults(func=_triton)
+
+    sim = commands.add_parser(
+        "simulate", help="replay the source document's scenarios (A100 model)"
+    )
+    sim.add_argument("--scenario", action="append", help="a scenario (repeat; default: all)")
+    sim.add_argument("--engine", action="append", choices=["inflight", "static"])
+    sim.add_argument("--target", action="append", choices=["fifo", "priority", "policy"])
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--duration-scale", type=float, default=1.0, help="multiply each scenario's duration"
+    )
+    sim.add_argument("--no-slo-search", action="store_true", help="skip the QPS-at-SLO bisection")
+    sim.add_argument("--json", default="results/simulate.json", help="where the figures go")
+    sim.add_argument(
+        "--write-golden", action="store_true", help="regenerate tests/data/sim_golden.json"
+    )
+    sim.set_defaults(func=_simulate)
     return parser
 
 

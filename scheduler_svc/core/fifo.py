@@ -82,8 +82,14 @@ class FifoScheduler:
         self._queued.pop(request_id, None)
         self._in_flight.discard(request_id)
 
-    def on_done(self, request_id: str, now: float) -> None:
+    def on_done(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
         self._in_flight.discard(request_id)
+
+    def on_progress(self, request_id: str, output_tokens: int, now: float) -> None:
+        pass  # FIFO keeps no per-token accounting
+
+    def observe_kv(self, free_blocks: int, total_blocks: int, now: float) -> None:
+        pass  # FIFO does not model the backend's KV cache
 
     def next_wakeup(self, now: float) -> float | None:
         deadlines = [

@@ -16,12 +16,28 @@ class Urgency(IntEnum):
 
 
 class RejectReason(StrEnum):
+    """Why a request was refused at submission; the values double as metric labels."""
+
     QUEUE_FULL = "queue_full"
     DUPLICATE = "duplicate_request_id"
+    TOO_LARGE = "too_large"
+    UNKNOWN_LANE = "unknown_lane"
 
 
 class ExpireReason(StrEnum):
+    """Why a queued request was answered with an error instead of being dispatched."""
+
     QUEUE_TIMEOUT = "queue_timeout"
+    NO_FALLBACK = "hot_timeout_no_fallback"
+    REQUEUE_LIMIT = "requeue_limit"
+
+
+class Target(StrEnum):
+    """Which backend a dispatch goes to; the shell maps each to a configured endpoint."""
+
+    PRIMARY = "primary"
+    DEGRADE = "degrade"
+    ELASTIC = "elastic"
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,8 @@ class Request:
     tenant: str = ""
     # Latest time it may still be dispatched (monotonic seconds); None waits forever.
     queue_deadline: float | None = None
+    # A lane the client pinned (by priority hint); None lets the policy pick by length.
+    lane: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +69,41 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class BatchInfo:
+    """One released batch, shared by the `Dispatch` of each of its rows."""
+
+    batch_id: int
+    lane: str
+    target: Target
+    max_batch: int
+    prompt_tokens: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of a padded [rows x longest prompt] input that is padding."""
+        longest = max(self.prompt_tokens)
+        return 1.0 - sum(self.prompt_tokens) / (longest * self.size) if longest else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Rows over the lane's max batch."""
+        return self.size / self.max_batch
+
+
+@dataclass(frozen=True)
 class Dispatch:
-    """Send this request to the backend now."""
+    """Send this request to the backend now (as a row of `batch`, where there is one)."""
 
     request_id: str
     lane: str
+    batch: BatchInfo | None = None
+    target: Target = Target.PRIMARY
+    # The request's max_tokens after any degrade; None leaves it as submitted.
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,11 +118,37 @@ Decision = Dispatch | Expired
 
 
 @dataclass(frozen=True)
+class LaneStats:
+    name: str
+    queued: int
+    max_queued: int
+    oldest_wait_s: float
+    # The lane's declared bound on waiting before promotion (aging); None: no bound.
+    max_wait_s: float | None
+
+
+@dataclass(frozen=True)
+class KvStats:
+    total_blocks: int
+    free_blocks: int
+    reserved_blocks: int
+    external_blocks: int
+    tokens_per_block: int
+    fragmentation: float
+    stale: bool
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     queued: int
     in_flight: int
     max_queued: int
     max_in_flight: int
+    lanes: tuple[LaneStats, ...] = ()
+    kv: KvStats | None = None
+    breaker_open: bool = False
+    # Cumulative event counts by name (rejected_*, degraded, demoted, requeued, promoted, ...).
+    counters: tuple[tuple[str, int], ...] = ()
 
 
 class Scheduler(Protocol):
@@ -94,8 +168,16 @@ class Scheduler(Protocol):
         """Forget a request that left before finishing (queued or in flight)."""
         ...
 
-    def on_done(self, request_id: str, now: float) -> None:
-        """A dispatched request finished; its capacity is free again."""
+    def on_done(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+        """A dispatched request finished (having produced `output_tokens`, where known)."""
+        ...
+
+    def on_progress(self, request_id: str, output_tokens: int, now: float) -> None:
+        """A dispatched request has produced `output_tokens` so far."""
+        ...
+
+    def observe_kv(self, free_blocks: int, total_blocks: int, now: float) -> None:
+        """The backend's own count of its paged KV blocks (from its metrics)."""
         ...
 
     def next_wakeup(self, now: float) -> float | None:

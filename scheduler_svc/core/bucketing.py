@@ -1,0 +1,209 @@
+"""One lane's queue: length buckets (SmartBatching) ordered fairly between tenants.
+
+A request joins the not-yet-full bucket it adds the least padding to, among those whose
+longest/shortest prompt ratio stays <= `max_ratio` with it; failing that it opens a bucket. A
+bucket becomes ready when full or when its oldest member has waited `batch_timeout_s` (the
+policy marks that from its timer). Ready buckets are served in order of their members' smallest
+virtual start tag: each tenant's requests get consecutive tags spaced by their token cost from the
+lane's virtual time (start-time fair queueing), so a tenant's flood queues behind itself.
+
+Invariants:
+- every queued entry is in exactly one bucket, and every bucket holds >= 1 entry;
+- in every bucket, len(members) <= max_batch and max(prompt) <= max_ratio * min(prompt);
+- ties are broken by sequence numbers this module owns, never by object identity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.config import LaneConfig
+from scheduler_svc.core.types import Request
+
+
+@dataclass(eq=False)
+class Entry:
+    """A queued request and what the policy decided about it so far."""
+
+    request: Request
+    seq: int
+    arrived_at: float  # submission: aging is measured from here
+    enqueued_at: float  # last (re)entry into the lane: the queue timeout is measured from here
+    predicted_output: int
+    max_tokens: int
+    tag: float = 0.0
+    requeues: int = 0
+    promoted: bool = False
+    version: int = 0  # bumped on requeue, so the timers set for the previous wait are void
+    bucket: Bucket | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max(1, self.request.prompt_tokens)
+
+    @property
+    def cost_tokens(self) -> int:
+        return self.prompt_tokens + self.predicted_output
+
+
+@dataclass(eq=False)
+class Bucket:
+    bucket_id: int
+    opened_at: float
+    members: list[Entry] = field(default_factory=list)
+    ready: bool = False
+    urgent: bool = False
+    alive: bool = True
+    pushed: int = 0  # heap entries made for this bucket; only the latest counts
+
+    @property
+    def shortest(self) -> int:
+        return min(e.prompt_tokens for e in self.members)
+
+    @property
+    def longest(self) -> int:
+        return max(e.prompt_tokens for e in self.members)
+
+    def min_tag(self) -> float:
+        return min(e.tag for e in self.members)
+
+    def oldest_enqueue(self) -> float:
+        return min(e.enqueued_at for e in self.members)
+
+
+class LaneQueue:
+    """The buckets of one lane."""
+
+    def __init__(self, config: LaneConfig) -> None:
+        self.config = config
+        self.entries: dict[str, Entry] = {}
+        self._filling: list[Bucket] = []  # buckets that are not full
+        self._ready: list[tuple[float, int, int, Bucket]] = []  # (min tag, id, pushed, bucket)
+        self._ids = itertools.count()
+        self.virtual_time = 0.0
+        self._tenant_finish: dict[str, float] = {}
+        self._promoted: dict[str, Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    # -- arrivals ----------------------------------------------------------------------------
+
+    def add(self, entry: Entry, now: float) -> Bucket:
+        """Queue an entry: tag it for tenant fairness, put it in a bucket. Returns the bucket."""
+        tenant = entry.request.tenant
+        start = max(self.virtual_time, self._tenant_finish.get(tenant, 0.0))
+        entry.tag = start
+        self._tenant_finish[tenant] = start + entry.cost_tokens
+        self.entries[entry.request_id] = entry
+        bucket = self._best_bucket(entry.prompt_tokens)
+        if bucket is None:
+            bucket = Bucket(next(self._ids), now)
+            self._filling.append(bucket)
+        bucket.members.append(entry)
+        entry.bucket = bucket
+        if len(bucket.members) >= self.config.max_batch:
+            self._filling.remove(bucket)
+            self.mark_ready(bucket)
+        elif bucket.ready:
+            self._push(bucket)  # its head tag may have dropped
+        return bucket
+
+    def _best_bucket(self, length: int) -> Bucket | None:
+        best: tuple[int, int] | None = None
+        chosen = None
+        ratio = self.config.max_ratio
+        for bucket in self._filling:
+            lo, hi = min(bucket.shortest, length), max(bucket.longest, length)
+            if hi > ratio * lo:
+                continue
+            n = len(bucket.members)
+            added = hi * (n + 1) - bucket.longest * n - length
+            key = (added, bucket.bucket_id)
+            if best is None or key < best:
+                best, chosen = key, bucket
+        return chosen
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    def mark_ready(self, bucket: Bucket, urgent: bool = False) -> None:
+        if not bucket.alive:
+            return
+        changed = not bucket.ready or (urgent and not bucket.urgent)
+        bucket.ready = True
+        bucket.urgent = bucket.urgent or urgent
+        if changed:
+            self._push(bucket)
+
+    def _push(self, bucket: Bucket) -> None:
+        bucket.pushed += 1
+        heapq.heappush(self._ready, (bucket.min_tag(), bucket.bucket_id, bucket.pushed, bucket))
+
+    def head(self) -> Bucket | None:
+        """The ready bucket to serve next (smallest virtual tag), or None."""
+        while self._ready:
+            _, _, pushed, bucket = self._ready[0]
+            if bucket.alive and pushed == bucket.pushed:
+                return bucket
+            heapq.heappop(self._ready)
+        return None
+
+    def promote(self, entry: Entry) -> None:
+        """Aging: the entry's bucket goes ahead of the fair order from now on."""
+        entry.promoted = True
+        self._promoted[entry.request_id] = entry
+        if entry.bucket is not None:
+            self.mark_ready(entry.bucket, urgent=True)
+
+    def urgent_buckets(self) -> list[Bucket]:
+        """Buckets holding a promoted request, the longest-waiting first."""
+        found: dict[int, Bucket] = {}
+        for entry in self._promoted.values():
+            if entry.bucket is not None:
+                found[entry.bucket.bucket_id] = entry.bucket
+        return sorted(
+            found.values(),
+            key=lambda b: (min(e.arrived_at for e in b.members), b.bucket_id),
+        )
+
+    # -- departures --------------------------------------------------------------------------
+
+    def remove(self, entry: Entry) -> None:
+        """Take an entry out of the lane (cancelled, expired, requeued or dispatched)."""
+        self.entries.pop(entry.request_id, None)
+        self._promoted.pop(entry.request_id, None)
+        bucket = entry.bucket
+        entry.bucket = None
+        if bucket is None:
+            return
+        bucket.members.remove(entry)
+        if not bucket.members:
+            bucket.alive = False
+            if bucket in self._filling:
+                self._filling.remove(bucket)
+        elif bucket.ready:
+            if bucket not in self._filling and len(bucket.members) < self.config.max_batch:
+                self._filling.append(bucket)
+            self._push(bucket)  # re-key: its smallest tag may have changed
+        self._prune_tenants()
+
+    def take(self, bucket: Bucket, count: int) -> list[Entry]:
+        """Dispatch the `count` members with the smallest tags; the rest stay ready."""
+        chosen = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[:count]
+        for entry in chosen:
+            self.virtual_time = max(self.virtual_time, entry.tag)
+            self.remove(entry)
+        return chosen
+
+    def _prune_tenants(self) -> None:
+        # A tenant whose finish tag is behind the virtual time is as good as new: forget it.
+        if len(self._tenant_finish) > 2 * len(self.entries) + 64:
+            self._tenant_finish = {
+                t: f for t, f in self._tenant_finish.items() if f > self.virtual_time
+            }

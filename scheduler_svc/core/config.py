@@ -1,0 +1,242 @@
+"""The policy's configuration: frozen, validated data whose defaults are the source document's.
+
+Every number the policy uses lives here, with its unit in its name. `__post_init__` checks bounds
+and cross-field rules and raises `ValueError` naming the field at fault (`lanes[1].share: ...`).
+`from_mapping` builds a config from plain nested dicts (what YAML gives the shell), refusing
+unknown keys.
+
+Defaults (DESIGN.md, "Priority lanes by token length"):
+    lane  prompt tokens  share  max batch  queue timeout  on timeout
+    hot   < 256          40 %   16         100 ms         degrade at once
+    warm  256-1023       45 %   32         500 ms         wait again, up to 2 times
+    cold  >= 1024        15 %   8          none           elastic pool, else keep waiting
+SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16 tokens a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class OnTimeout(StrEnum):
+    """What happens to a request still queued when its lane's queue timeout fires."""
+
+    DEGRADE = "degrade"  # hot: the fallback backend, or a smaller max_tokens, or reject
+    REQUEUE = "requeue"  # warm: wait again, up to max_requeues, then reject
+    ELASTIC = "elastic"  # cold: hand to the elastic pool if configured, else keep waiting
+
+
+class KvMode(StrEnum):
+    """How the KV mirror reserves blocks for a dispatched request."""
+
+    PAGED = "paged"  # prompt + predicted output, rounded up to blocks
+    CONTIGUOUS = "contiguous"  # the model's maximum sequence length (the document's "before")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """One priority lane: which prompts it holds and how they are batched and timed out."""
+
+    name: str
+    min_prompt_tokens: int  # lower bound (inclusive); the next lane's bound is this one's upper
+    share: float  # weight of the lane in the work-conserving split of the token budget
+    max_batch: int  # rows per released batch
+    max_queued: int  # requests allowed to wait in this lane
+    queue_timeout_s: float | None  # time in queue before `on_timeout`; None: never
+    on_timeout: OnTimeout
+    max_requeues: int = 0  # REQUEUE lanes: times a request may wait again before rejection
+    max_wait_s: float | None = None  # aging: waiting this long promotes a request; None: never
+    max_ratio: float = 1.5  # SmartBatching: longest / shortest prompt in one batch
+    batch_timeout_s: float = 0.05  # SmartBatching: release a batch when its oldest waited this
+
+    def validate(self, where: str) -> None:
+        _check(bool(self.name), f"{where}.name", "must not be empty")
+        _check(self.min_prompt_tokens >= 0, f"{where}.min_prompt_tokens", "must be >= 0")
+        _check(0 < self.share <= 1, f"{where}.share", "must be in (0, 1]")
+        _check(1 <= self.max_batch <= 4096, f"{where}.max_batch", "must be in [1, 4096]")
+        _check(self.max_queued >= 0, f"{where}.max_queued", "must be >= 0")
+        _check(
+            self.queue_timeout_s is None or self.queue_timeout_s > 0,
+            f"{where}.queue_timeout_s",
+            "must be > 0 or null",
+        )
+        _check(0 <= self.max_requeues <= 100, f"{where}.max_requeues", "must be in [0, 100]")
+        _check(self.max_wait_s is None or self.max_wait_s > 0, f"{where}.max_wait_s", "must be > 0")
+        _check(1.0 <= self.max_ratio <= 1000, f"{where}.max_ratio", "must be in [1, 1000]")
+        _check(0 <= self.batch_timeout_s <= 60, f"{where}.batch_timeout_s", "must be in [0, 60]")
+
+
+def default_lanes() -> tuple[LaneConfig, ...]:
+    return (
+        LaneConfig("hot", 0, 0.40, 16, 512, 0.100, OnTimeout.DEGRADE, max_wait_s=0.100),
+        LaneConfig("warm", 256, 0.45, 32, 512, 0.500, OnTimeout.REQUEUE, 2, max_wait_s=1.0),
+        LaneConfig("cold", 1024, 0.15, 8, 256, None, OnTimeout.ELASTIC, max_wait_s=5.0),
+    )
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Demote part of one lane's arrivals while another lane's backlog is too deep."""
+
+    watch_lane: str = "hot"
+    open_above: int = 50  # opens when the watched lane holds more than this many requests
+    close_below: int = 25  # closes when it holds fewer than this (hysteresis)
+    min_open_s: float = 1.0  # and has stayed open at least this long
+    demote_lane: str = "warm"
+    to_lane: str = "cold"
+    demote_fraction: float = 0.5  # share of the demoted lane's arrivals moved while open
+
+    def validate(self) -> None:
+        _check(self.open_above >= 1, "breaker.open_above", "must be >= 1")
+        _check(
+            0 <= self.close_below <= self.open_above,
+            "breaker.close_below",
+            "must be in [0, open_above] (hysteresis)",
+        )
+        _check(self.min_open_s >= 0, "breaker.min_open_s", "must be >= 0")
+        _check(0 <= self.demote_fraction <= 1, "breaker.demote_fraction", "must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """The mirror of the backend's paged KV pool (sizes are refreshed from its metrics)."""
+
+    mode: KvMode = KvMode.PAGED
+    tokens_per_block: int = 16
+    total_blocks: int = 4096
+    max_seq_len: int = 8192  # contiguous mode reserves this many tokens per request
+    max_in_flight: int = 64  # sequences the backend runs at once (max_num_seqs)
+    stale_after_s: float = 5.0  # an observation older than this no longer reconciles
+
+    def validate(self) -> None:
+        _check(1 <= self.tokens_per_block <= 1024, "kv.tokens_per_block", "must be in [1, 1024]")
+        _check(self.total_blocks >= 1, "kv.total_blocks", "must be >= 1")
+        _check(self.max_seq_len >= 1, "kv.max_seq_len", "must be >= 1")
+        _check(self.max_in_flight >= 1, "kv.max_in_flight", "must be >= 1")
+        _check(self.stale_after_s > 0, "kv.stale_after_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """Online prediction of how much of max_tokens a request really uses."""
+
+    quantile: float = 0.9  # reserve for this quantile of the observed used/max ratio
+    min_samples: int = 16  # below this many observations, reserve all of max_tokens
+    window: int = 256  # observations kept per (tenant, lane)
+    max_windows: int = 4096  # (tenant, lane) windows kept; the least recently used go first
+
+    def validate(self) -> None:
+        _check(0 < self.quantile <= 1, "predict.quantile", "must be in (0, 1]")
+        _check(self.min_samples >= 1, "predict.min_samples", "must be >= 1")
+        _check(self.window >= self.min_samples, "predict.window", "must be >= min_samples")
+        _check(self.max_windows >= 1, "predict.max_windows", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Everything the policy scheduler decides by."""
+
+    lanes: tuple[LaneConfig, ...] = field(default_factory=default_lanes)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    kv: KvConfig = field(default_factory=KvConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    quantum_tokens: int = 8192  # token budget handed out per deficit-round-robin round
+    degrade_backend: bool = False  # a fallback backend exists for timed-out hot requests
+    degrade_max_tokens: int | None = None  # else: retry timed-out hot requests this short
+    elastic_backend: bool = False  # an overflow pool exists for cold requests
+    retry_after_s: float = 0.5  # the hint sent with a rejection
+
+    def __post_init__(self) -> None:
+        _check(len(self.lanes) >= 1, "lanes", "need at least one lane")
+        for i, lane in enumerate(self.lanes):
+            lane.validate(f"lanes[{i}]")
+        names = [lane.name for lane in self.lanes]
+        _check(len(set(names)) == len(names), "lanes", f"names must be unique: {names}")
+        _check(self.lanes[0].min_prompt_tokens == 0, "lanes[0].min_prompt_tokens", "must be 0")
+        bounds = [lane.min_prompt_tokens for lane in self.lanes]
+        _check(bounds == sorted(set(bounds)), "lanes", "min_prompt_tokens must increase")
+        self.breaker.validate()
+        for key in ("watch_lane", "demote_lane", "to_lane"):
+            value = getattr(self.breaker, key)
+            _check(value in names, f"breaker.{key}", f"unknown lane {value!r}")
+        self.kv.validate()
+        self.predict.validate()
+        _check(self.quantum_tokens >= 1, "quantum_tokens", "must be >= 1")
+        _check(
+            self.degrade_max_tokens is None or self.degrade_max_tokens >= 1,
+            "degrade_max_tokens",
+            "must be >= 1 or null",
+        )
+        _check(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+
+    def lane(self, name: str) -> LaneConfig:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+
+_NESTED: dict[str, type] = {"breaker": BreakerConfig, "kv": KvConfig, "predict": PredictConfig}
+_ENUMS: dict[str, type[StrEnum]] = {"on_timeout": OnTimeout, "mode": KvMode}
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where or '(top)'}: must be a mapping")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    _check(not unknown, where or "(top)", f"unknown keys {unknown}")
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        values[key] = _field(cls, key, raw, f"{where}.{key}" if where else key)
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field left out
+        raise ValueError(f"{where or '(top)'}: {exc}") from None
+
+
+def _field(cls: type, key: str, raw: Any, name: str) -> Any:
+    if key in _ENUMS:
+        try:
+            return _ENUMS[key](raw)
+        except ValueError:
+            choices = [e.value for e in _ENUMS[key]]
+            raise ValueError(f"{name}: {raw!r} is not one of {choices}") from None
+    if key in _NESTED and cls is PolicyConfig:
+        return _build(_NESTED[key], raw, name)
+    if key == "lanes" and cls is PolicyConfig:
+        if not isinstance(raw, list | tuple):
+            raise ValueError(f"{name}: must be a list of lanes")
+        return tuple(_build(LaneConfig, v, f"{name}[{i}]") for i, v in enumerate(raw))
+    return raw
+
+
+def from_mapping(data: Mapping[str, Any]) -> PolicyConfig:
+    """Build and validate a PolicyConfig from plain nested data; ValueError names the field."""
+    config: PolicyConfig = _build(PolicyConfig, data, "")
+    return config
+
+
+def to_mapping(config: PolicyConfig) -> dict[str, Any]:
+    """Plain nested data (enums as strings) that `from_mapping` turns back into `config`."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, StrEnum):
+            return value.value
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    result: dict[str, Any] = plain(config)
+    return result

@@ -1,0 +1,149 @@
+"""A mirror of the backend's paged KV block pool, kept by reservations the policy makes.
+
+A dispatched request reserves blocks for its prompt plus its predicted output (paged mode) or for
+the model's maximum sequence length (contiguous mode, the source document's "before"). The
+backend's own counts (`observe`) reconcile the mirror: blocks the backend uses beyond our
+reservations are "external" (another client, or the backend's own overhead) and are not offered
+for admission.
+
+Invariants (checked by tests/unit/test_kv.py's state machine):
+- reserved + external + free == total + overcommit, where overcommit > 0 only if the backend
+  reported a pool smaller than what is already reserved, and then free == 0;
+- every count is >= 0; a request holds at most one reservation; releasing twice frees nothing;
+- growing a reservation never takes more than is free (the rest is a recorded shortfall).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.core.config import KvConfig, KvMode
+
+
+@dataclass
+class _Reservation:
+    blocks: int
+    used_tokens: int  # prompt + output so far: what the request really occupies
+    shortfall_blocks: int = 0  # wanted by a correction but not free at the time
+
+
+class BlockMirror:
+    """Reservations of KV blocks by request id, reconciled with the backend's counts."""
+
+    def __init__(self, config: KvConfig) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.total_blocks = config.total_blocks
+        self.external_blocks = 0
+        self.reserved_blocks = 0
+        self._held: dict[str, _Reservation] = {}
+        self.last_observed_at: float | None = None
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-max(tokens, 1) // self.tokens_per_block)
+
+    def need(self, prompt_tokens: int, output_tokens: int) -> int:
+        """Blocks a request reserves at dispatch."""
+        if self.config.mode == KvMode.CONTIGUOUS:
+            return self.blocks_for(self.config.max_seq_len)
+        return self.blocks_for(prompt_tokens + output_tokens)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.reserved_blocks + self.external_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.total_blocks - self.used_blocks)
+
+    @property
+    def overcommit_blocks(self) -> int:
+        return max(0, self.used_blocks - self.total_blocks)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def held(self) -> dict[str, int]:
+        """Blocks reserved per request id (a copy)."""
+        return {rid: r.blocks for rid, r in self._held.items()}
+
+    # -- changes -----------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, blocks: int, prompt_tokens: int) -> None:
+        """Reserve `blocks` (which must be free) for a request that holds none yet."""
+        if request_id in self._held:
+            raise ValueError(f"{request_id!r} already holds a reservation")
+        if blocks > self.free_blocks:
+            raise ValueError(f"{blocks} blocks wanted, {self.free_blocks} free")
+        self._held[request_id] = _Reservation(blocks, prompt_tokens)
+        self.reserved_blocks += blocks
+
+    def progress(self, request_id: str, used_tokens: int, grow_to_tokens: int = 0) -> bool:
+        """Record tokens in use. If they outran the reservation, grow it to cover
+        max(used, grow_to_tokens) tokens, as far as blocks are free. True if it outran."""
+        held = self._held.get(request_id)
+        if held is None:
+            return False
+        held.used_tokens = max(held.used_tokens, used_tokens)
+        if self.blocks_for(held.used_tokens) <= held.blocks:
+            return False
+        wanted = self.blocks_for(max(held.used_tokens, grow_to_tokens)) - held.blocks
+        if wanted <= 0 or self.config.mode == KvMode.CONTIGUOUS:
+            return False
+        self._grow(held, wanted)
+        return True
+
+    def _grow(self, held: _Reservation, wanted: int) -> None:
+        got = min(wanted, self.free_blocks)
+        held.blocks += got
+        self.reserved_blocks += got
+        held.shortfall_blocks = wanted - got
+
+    def settle_shortfalls(self) -> int:
+        """Give free blocks to reservations that outran their size; return blocks still owed."""
+        owed = 0
+        for held in self._held.values():
+            if held.shortfall_blocks:
+                self._grow(held, held.shortfall_blocks)
+                owed += held.shortfall_blocks
+        return owed
+
+    def release(self, request_id: str) -> int:
+        """Free a request's reservation; returns the blocks freed (0 if it held none)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return 0
+        self.reserved_blocks -= held.blocks
+        return held.blocks
+
+    def observe(self, free_blocks: int, total_blocks: int, now: float) -> None:
+        """Reconcile with the backend's own counts of its pool."""
+        if total_blocks < 1 or not 0 <= free_blocks <= total_blocks:
+            raise ValueError(f"impossible KV counts: free {free_blocks} of {total_blocks}")
+        self.total_blocks = total_blocks
+        backend_used = total_blocks - free_blocks
+        self.external_blocks = max(0, backend_used - self.reserved_blocks)
+        self.last_observed_at = now
+
+    def is_stale(self, now: float) -> bool:
+        seen = self.last_observed_at
+        return seen is None or now - seen > self.config.stale_after_s
+
+    def forget_stale(self, now: float) -> bool:
+        """Stop trusting an old observation (fall back to our own accounting); True if stale."""
+        stale = self.is_stale(now)
+        if stale and self.last_observed_at is not None:
+            self.external_blocks = 0
+        return stale
+
+    def fragmentation(self) -> float:
+        """Allocated-but-unused token slots over allocated slots, across live reservations."""
+        slots = self.reserved_blocks * self.tokens_per_block
+        if slots == 0:
+            return 0.0
+        used = sum(
+            min(r.used_tokens, r.blocks * self.tokens_per_block) for r in self._held.values()
+        )
+        return 1.0 - used / slots

@@ -1,0 +1,222 @@
+"""Simulated engines in virtual time: in-flight (continuous) batching and static batching.
+
+In-flight: every step admits waiting sequences in arrival order while the sequence limit and the
+KV pool allow, prefills up to `max_num_tokens` prompt tokens (chunked), and decodes one token
+for every running sequence. KV blocks are taken as tokens arrive (paged) or for the whole
+maximum sequence length at admission (contiguous); when a decoding sequence needs a block and
+none is free, the newest running sequence is paused and later recomputed (max_utilization).
+Static: one batch at a time; every row is padded to the batch's longest prompt and the batch
+decodes until its longest output is done.
+
+Invariants: free blocks + blocks held by running sequences == total; a sequence is waiting,
+running or finished, never two of these.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.sim.costmodel import CostModel
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request as the engine sees it."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int  # what it will really generate
+    batch_id: int = 0  # the sidecar's batch (static engines run it as one unit); 0: none
+    generated: int = 0
+    prefilled: int = 0
+    blocks: int = 0
+    admitted_seq: int = 0
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    first_token: list[Sequence]
+    progressed: list[Sequence]
+    finished: list[Sequence]
+
+
+@dataclass
+class EngineTotals:
+    steps: int = 0
+    rows: int = 0  # sum over steps of running sequences
+    batches: int = 0
+    batch_rows: int = 0
+    padded_prompt_tokens: int = 0
+    prompt_tokens: int = 0
+    paused: int = 0
+    slots_allocated: int = 0  # sum over steps of allocated token slots
+    slots_used: int = 0
+
+
+class InflightEngine:
+    """Continuous batching over a finite paged KV pool."""
+
+    def __init__(self, cost: CostModel, contiguous: bool = False) -> None:
+        self.cost = cost
+        self.contiguous = contiguous
+        self.total_blocks = cost.total_blocks
+        self.free_blocks = self.total_blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.totals = EngineTotals()
+        self._admissions = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cost.tokens_per_block)
+
+    def enqueue(self, seq: Sequence) -> bool:
+        """False when the engine's own queue is full (the request is refused)."""
+        if len(self.waiting) >= self.cost.max_queue_size:
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = self.cost.max_seq_len if self.contiguous else seq.context + 1
+            need = self.blocks_for(tokens)
+            if need > self.free_blocks:
+                return
+            self.waiting.popleft()
+            self.free_blocks -= need
+            seq.blocks = need
+            self._admissions += 1
+            seq.admitted_seq = self._admissions
+            self.running.append(seq)
+
+    def _pause_newest(self) -> None:
+        victim = max(self.running, key=lambda s: s.admitted_seq)
+        self.running.remove(victim)
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.prefilled = 0  # recomputed from scratch: prompt + what it had generated
+        self.waiting.appendleft(victim)
+        self.totals.paused += 1
+
+    def step(self) -> StepResult:
+        """Run one iteration; the caller advances time by `duration_s`."""
+        self._admit()
+        budget = self.cost.max_num_tokens
+        prefill_tokens = 0
+        first: list[Sequence] = []
+        decoding: list[Sequence] = []
+        for seq in list(self.running):
+            todo = seq.context - seq.prefilled
+            if todo > 0:
+                chunk = min(todo, budget)
+                budget -= chunk
+                prefill_tokens += chunk
+                seq.prefilled += chunk
+                if seq.prefilled == seq.context:
+                    first.append(seq)
+            else:
+                decoding.append(seq)
+        for seq in decoding:
+            if seq not in self.running:
+                continue  # paused this step to make room
+            if not self.contiguous and self.blocks_for(seq.context + 1) > seq.blocks:
+                while self.free_blocks == 0 and len(self.running) > 1:
+                    self._pause_newest()
+                if seq not in self.running:
+                    continue
+                if self.free_blocks:
+                    self.free_blocks -= 1
+                    seq.blocks += 1
+        decoding = [s for s in decoding if s in self.running]
+        context = sum(s.context for s in self.running)
+        duration = self.cost.step_s(len(self.running), context, prefill_tokens)
+        self._account(context)
+        produced = [s for s in first if s in self.running] + decoding
+        for seq in produced:
+            seq.generated += 1
+            seq.prefilled = seq.context
+        finished = [s for s in produced if s.generated >= s.output_tokens]
+        for seq in finished:
+            self.running.remove(seq)
+            self.free_blocks += seq.blocks
+            seq.blocks = 0
+        firsts = [s for s in produced if s.generated == 1]
+        return StepResult(duration, firsts, produced, finished)
+
+    def _account(self, context: int) -> None:
+        t = self.totals
+        t.steps += 1
+        t.rows += len(self.running)
+        t.slots_allocated += sum(s.blocks for s in self.running) * self.cost.tokens_per_block
+        t.slots_used += context
+
+
+class StaticEngine:
+    """One padded batch at a time (TensorRT-LLM's V1 / static batching)."""
+
+    def __init__(self, cost: CostModel, max_batch: int = 64) -> None:
+        self.cost = cost
+        self.max_batch = max_batch
+        self.waiting: deque[Sequence] = deque()
+        self.batch: list[Sequence] = []
+        self._padded_len = 0
+        self._steps_left = 0
+        self.totals = EngineTotals()
+
+    def enqueue(self, seq: Sequence) -> bool:
+        if len(self.waiting) >= self.cost.max_queue_size:
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.batch)
+
+    def _next_batch(self) -> None:
+        head = self.waiting[0]
+        batch: list[Sequence] = []
+        while self.waiting and len(batch) < self.max_batch:
+            seq = self.waiting[0]
+            if head.batch_id and seq.batch_id != head.batch_id:
+                break  # a sidecar batch runs as the unit it was released as
+            if not head.batch_id and seq.batch_id:
+                break
+            batch.append(self.waiting.popleft())
+        self.batch = batch
+        self._padded_len = max(s.prompt_tokens for s in batch)
+        t = self.totals
+        t.batches += 1
+        t.batch_rows += len(batch)
+        t.padded_prompt_tokens += self._padded_len * len(batch)
+        t.prompt_tokens += sum(s.prompt_tokens for s in batch)
+
+    def step(self) -> StepResult:
+        rows = len(self.batch) if self.batch else 0
+        if not self.batch:
+            self._next_batch()
+            rows = len(self.batch)
+            duration = self.cost.step_s(rows, 0, rows * self._padded_len)
+            produced = list(self.batch)
+        else:
+            longest = max(s.generated for s in self.batch)
+            duration = self.cost.step_s(rows, rows * (self._padded_len + longest), 0)
+            produced = [s for s in self.batch if s.generated < s.output_tokens]
+        self.totals.steps += 1
+        self.totals.rows += rows
+        for seq in produced:
+            seq.generated += 1
+        finished = [s for s in produced if s.generated >= s.output_tokens]
+        if all(s.generated >= s.output_tokens for s in self.batch):
+            self.batch = []
+        firsts = [s for s in produced if s.generated == 1]
+        return StepResult(duration, firsts, produced, finished)

@@ -1,0 +1,152 @@
+"""Summaries of simulated runs: the figures of the source document's table, and QPS at an SLO.
+
+A run meets the SLO when at least `SLO_ATTAINMENT` of its requests were served with a time to
+first token within their lane's bound (`runner.LANE_SLO_TTFT_S`); "QPS at SLO" is the highest
+offered rate, found by bisection over seeded runs, that still meets it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from scheduler_svc.sim.runner import LANE_SLO_TTFT_S, RunResult
+
+SLO_ATTAINMENT = 0.99
+LANES = tuple(LANE_SLO_TTFT_S)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    """Every figure of one run, JSON-ready (times in ms, ratios in [0, 1])."""
+    outcomes = run.outcomes
+    n = len(outcomes)
+    served = [o for o in outcomes if o.state == "served"]
+    good = sum(o.within_slo() for o in outcomes)
+    lanes: dict[str, Any] = {}
+    for lane in LANES:
+        mine = [o for o in outcomes if o.lane == lane]
+        ttft = [o.ttft_s for o in mine if o.state == "served" and o.ttft_s is not None]
+        e2e = [o.e2e_s for o in mine if o.state == "served" and o.e2e_s is not None]
+        if mine:
+            lanes[lane] = {
+                "requests": len(mine),
+                "ttft_p50_ms": _ms(percentile(ttft, 50)),
+                "ttft_p99_ms": _ms(percentile(ttft, 99)),
+                "e2e_p99_ms": _ms(percentile(e2e, 99)),
+                "within_slo": round(sum(o.within_slo() for o in mine) / len(mine), 4),
+            }
+    totals = run.engine_totals
+    # Padding: what the engine padded (static), else the sidecar's batches (in-flight engines
+    # do not pad, but the batches show the bucketing). Utilization: the sidecar's batches over
+    # their lane's max batch where there are any, else the engine's rows over its 64.
+    padding: float | None = _mean(run.batch_padding)
+    if run.engine == "static" and totals.padded_prompt_tokens:
+        padding = 1 - totals.prompt_tokens / totals.padded_prompt_tokens
+    utilization: float | None = _mean(run.batch_utilization)
+    if utilization is None and run.engine == "static" and totals.batches:
+        utilization = totals.batch_rows / (totals.batches * 64)
+    elif utilization is None and totals.steps:
+        utilization = totals.rows / (totals.steps * 64)
+    span = max(run.duration_s, 1e-9)
+    return {
+        "scenario": run.scenario,
+        "target": run.target,
+        "engine": run.engine,
+        "offered_qps": round(run.qps, 2),
+        "requests": n,
+        "throughput_rps": round(len(served) / span, 2),
+        "goodput_rps": round(good / span, 2),
+        "slo_attainment": round(good / n, 4) if n else None,
+        "rejected_fast": sum(o.state == "rejected" for o in outcomes),
+        "failed_after_accept": sum(o.state == "failed" for o in outcomes),
+        "failure_rate": round(sum(o.state != "served" for o in outcomes) / n, 4) if n else None,
+        "padding_ratio": None if padding is None else round(padding, 4),
+        "batch_utilization": None if utilization is None else round(utilization, 4),
+        "kv_fragmentation": (
+            round(1 - totals.slots_used / totals.slots_allocated, 4)
+            if totals.slots_allocated
+            else None
+        ),
+        "paused": totals.paused,
+        "lanes": lanes,
+        "counters": dict(sorted(run.counters.items())),
+    }
+
+
+def meets_slo(run: RunResult) -> bool:
+    n = len(run.outcomes)
+    return n > 0 and sum(o.within_slo() for o in run.outcomes) / n >= SLO_ATTAINMENT
+
+
+def qps_at_slo(
+    run_at: Callable[[float], RunResult], lo: float, hi: float, iterations: int = 7
+) -> float:
+    """The highest rate in [lo, hi] (to the bisection's resolution) whose run meets the SLO."""
+    if not meets_slo(run_at(lo)):
+        return 0.0
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if meets_slo(run_at(mid)):
+            lo = mid
+        else:
+            hi = mid
+    return round(lo, 1)
+
+
+def _cell(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and unit == "%":
+        return f"{value * 100:.1f}%"
+    return f"{value}{unit}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of summaries, one row per (scenario, engine, target)."""
+    head = (
+        "| scenario | engine | target | offered QPS | QPS at SLO | goodput | hot TTFT p99 | "
+        "warm TTFT p99 | cold TTFT p99 | padding | batch util | KV frag | fast rejects | "
+        "failed after accept |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for r in rows:
+        lanes = r["lanes"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["scenario"],
+                    r["engine"],
+                    r["target"],
+                    _cell(r["offered_qps"]),
+                    _cell(r.get("qps_at_slo")),
+                    _cell(r["goodput_rps"]),
+                    *(_cell(lanes.get(lane, {}).get("ttft_p99_ms"), " ms") for lane in LANES),
+                    _cell(r["padding_ratio"], "%"),
+                    _cell(r["batch_utilization"], "%"),
+                    _cell(r["kv_fragmentation"], "%"),
+                    _cell(r["rejected_fast"]),
+                    _cell(r["failed_after_accept"]),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)

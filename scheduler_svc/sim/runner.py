@@ -1,0 +1,248 @@
+"""Drive a target (a scheduler in front of a simulated engine) through a workload, in virtual time.
+
+Targets, all fed the same arrivals:
+- `fifo`: Triton alone, as configured out of the box: requests go straight to the engine's own
+  queue (bounded by max_queue_size; a full queue refuses at once).
+- `priority`: Triton's dynamic batcher with priority levels and a queue policy (per-level
+  timeouts, a max queue size), length-blind. Modelled generously, as if the priority reached
+  the engine (DESIGN.md: with in-flight batching it does not).
+- `policy`: scheduler_svc's full policy (`core.policy.PolicyScheduler`) in front of the engine.
+
+The loop is the shell's in miniature: arrivals are submitted, `schedule(now)` decides, dispatched
+rows go to the engine, the engine's steps report tokens back (`on_progress`, `on_done`) and its
+free blocks (`observe_kv`), and the loop wakes at `next_wakeup`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+
+from scheduler_svc.core.config import KvConfig, KvMode, PolicyConfig
+from scheduler_svc.core.fifo import FifoScheduler
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.types import Dispatch, Expired, Rejected, Request, Scheduler, Urgency
+from scheduler_svc.sim.costmodel import A100_AWQ_8B, CostModel
+from scheduler_svc.sim.engine import (
+    EngineTotals,
+    InflightEngine,
+    Sequence,
+    StaticEngine,
+    StepResult,
+)
+from scheduler_svc.sim.workload import Scenario, SimRequest, generate
+
+TARGETS = ("fifo", "priority", "policy")
+ENGINES = ("inflight", "static")
+LANE_SLO_TTFT_S = {"hot": 0.3, "warm": 1.0, "cold": 4.0}
+# Triton queue policy a careful user would set per priority level (seconds in queue).
+PRIORITY_TIMEOUT_S = {0: 0.5, 1: 2.0, 2: 10.0}
+DRAIN_S = 120.0
+STATIC_ROWS_IN_FLIGHT = 16
+
+
+def lane_of(prompt_tokens: int) -> str:
+    """The reporting lane (the policy's default thresholds), the same for every target."""
+    return "hot" if prompt_tokens < 256 else "warm" if prompt_tokens < 1024 else "cold"
+
+
+@dataclass
+class Outcome:
+    request: SimRequest
+    lane: str
+    state: str = "queued"  # served | rejected (fast, at submission) | failed (after acceptance)
+    first_token_s: float | None = None
+    done_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.request.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.done_s is None else self.done_s - self.request.arrival_s
+
+    def within_slo(self) -> bool:
+        ttft = self.ttft_s
+        return self.state == "served" and ttft is not None and ttft <= LANE_SLO_TTFT_S[self.lane]
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    target: str
+    engine: str
+    qps: float
+    duration_s: float
+    outcomes: list[Outcome]
+    engine_totals: EngineTotals
+    batch_padding: list[float] = field(default_factory=list)
+    batch_utilization: list[float] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    end_s: float = 0.0
+
+
+def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -> Scheduler | None:
+    if target == "fifo":
+        return None
+    # A static engine runs one batch at a time: hold about one batch back so buckets fill up
+    # while it works, instead of queueing many small batches inside the engine.
+    rows = cost.max_num_seqs if engine == "inflight" else STATIC_ROWS_IN_FLIGHT
+    if target == "priority":
+        return FifoScheduler(max_queued=cost.max_queue_size, max_in_flight=rows)
+    if target == "policy":
+        kv = KvConfig(
+            mode=kv_mode,
+            tokens_per_block=cost.tokens_per_block,
+            total_blocks=cost.total_blocks,
+            max_seq_len=cost.max_seq_len,
+            max_in_flight=rows,
+        )
+        return PolicyScheduler(PolicyConfig(kv=kv))
+    raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
+
+
+class _Run:
+    def __init__(
+        self,
+        scenario: Scenario,
+        target: str,
+        engine: str,
+        seed: int,
+        qps: float | None,
+        cost: CostModel,
+        kv_mode: KvMode,
+    ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+        self.requests = generate(scenario, seed, qps)
+        self.sched = make_scheduler(target, engine, cost, kv_mode)
+        self.engine: InflightEngine | StaticEngine = (
+            InflightEngine(cost, contiguous=kv_mode is KvMode.CONTIGUOUS)
+            if engine == "inflight"
+            else StaticEngine(cost)
+        )
+        self.result = RunResult(
+            scenario.name,
+            target,
+            engine,
+            qps or scenario.qps,
+            scenario.duration_s,
+            [Outcome(r, lane_of(r.prompt_tokens)) for r in self.requests],
+            self.engine.totals,
+        )
+        self.by_id = {o.request.request_id: o for o in self.result.outcomes}
+        self.seqs: dict[str, Sequence] = {}
+        self.events: list[tuple[float, int, str, str]] = []
+        self.tick = itertools.count()
+        self.stepping = False
+        self.pending: StepResult | None = None
+        self.wakes: set[float] = set()
+
+    def push(self, when: float, kind: str, payload: str = "") -> None:
+        heapq.heappush(self.events, (when, next(self.tick), kind, payload))
+
+    def run(self) -> RunResult:
+        for r in self.requests:
+            self.push(r.arrival_s, "arrive", r.request_id)
+        horizon = self.result.duration_s + DRAIN_S
+        now = 0.0
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if now > horizon:
+                break
+            if kind == "arrive":
+                self.arrive(self.by_id[payload], now)
+            elif kind == "step":
+                self.stepping = False
+                self.finish_step(now)
+            self.decide(now)
+        for outcome in self.result.outcomes:
+            if outcome.state == "queued":
+                outcome.state = "failed"  # still waiting or running when the run ended
+        self.result.end_s = now
+        if isinstance(self.sched, PolicyScheduler):
+            self.result.counters = dict(self.sched.counters)
+        return self.result
+
+    def arrive(self, outcome: Outcome, now: float) -> None:
+        r = outcome.request
+        if self.sched is None:
+            self.send(outcome, 0)
+            return
+        deadline = None
+        if self.result.target == "priority":
+            deadline = now + PRIORITY_TIMEOUT_S[r.urgency]
+        request = Request(
+            r.request_id, r.prompt_tokens, r.max_tokens, Urgency(r.urgency), r.tenant, deadline
+        )
+        if isinstance(self.sched.submit(request, now), Rejected):
+            outcome.state = "rejected"
+
+    def send(self, outcome: Outcome, batch_id: int) -> None:
+        r = outcome.request
+        seq = Sequence(r.request_id, r.prompt_tokens, r.output_tokens, batch_id)
+        if self.engine.enqueue(seq):
+            self.seqs[r.request_id] = seq
+        else:
+            # Refused by the engine's queue: fast for Triton alone, after acceptance otherwise.
+            outcome.state = "rejected" if self.sched is None else "failed"
+            if self.sched is not None:
+                self.sched.cancel(r.request_id, 0.0)
+
+    def decide(self, now: float) -> None:
+        if self.sched is not None:
+            for decision in self.sched.schedule(now):
+                outcome = self.by_id[decision.request_id]
+                if isinstance(decision, Expired):
+                    outcome.state = "failed"
+                elif isinstance(decision, Dispatch) and decision.batch is not None:
+                    self.result.batch_padding.append(decision.batch.padding_ratio)
+                    self.result.batch_utilization.append(decision.batch.utilization)
+                    self.send(outcome, decision.batch.batch_id)
+                else:
+                    self.send(outcome, 0)
+            wake = self.sched.next_wakeup(now)
+            if wake is not None and wake > now and wake not in self.wakes:
+                self.wakes.add(wake)
+                self.push(wake, "wake")
+        if not self.stepping and self.engine.busy():
+            step = self.engine.step()
+            self.pending = step
+            self.stepping = True
+            self.push(now + step.duration_s, "step")
+
+    def finish_step(self, now: float) -> None:
+        step = self.pending
+        assert step is not None
+        for seq in step.first_token:
+            self.by_id[seq.request_id].first_token_s = now
+        for seq in step.finished:
+            outcome = self.by_id[seq.request_id]
+            outcome.done_s, outcome.state = now, "served"
+            if self.sched is not None:
+                self.sched.on_done(seq.request_id, now, seq.generated)
+        if self.sched is not None:
+            for seq in step.progressed:
+                if seq.generated % 16 == 0 and seq.generated < seq.output_tokens:
+                    self.sched.on_progress(seq.request_id, seq.generated, now)
+            if isinstance(self.engine, InflightEngine):
+                self.sched.observe_kv(self.engine.free_blocks, self.engine.total_blocks, now)
+
+
+def simulate(
+    scenario: Scenario,
+    target: str,
+    engine: str = "inflight",
+    seed: int = 0,
+    qps: float | None = None,
+    cost: CostModel = A100_AWQ_8B,
+    kv_mode: KvMode = KvMode.PAGED,
+) -> RunResult:
+    """One seeded run of `scenario` against `target` on `engine`."""
+    return _Run(scenario, target, engine, seed, qps, cost, kv_mode).run()
+
+
+def with_duration(scenario: Scenario, duration_s: float) -> Scenario:
+    return replace(scenario, duration_s=duration_s)

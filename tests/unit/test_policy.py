@@ -1,0 +1,394 @@
+"""The policy core: lanes, timeouts and their actions, KV admission, shares, aging, invariants."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from scheduler_svc.core.config import (
+    KvConfig,
+    KvMode,
+    LaneConfig,
+    OnTimeout,
+    PolicyConfig,
+    default_lanes,
+)
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.types import (
+    Admitted,
+    Dispatch,
+    Expired,
+    ExpireReason,
+    Rejected,
+    RejectReason,
+    Request,
+    Target,
+)
+
+
+def req(rid: str, prompt: int, max_tokens: int = 64, **kw: object) -> Request:
+    return Request(rid, prompt_tokens=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def dispatched(decisions: list[Dispatch | Expired]) -> list[str]:
+    return [d.request_id for d in decisions if isinstance(d, Dispatch)]
+
+
+def test_lanes_by_prompt_length_and_a_pinned_lane_wins() -> None:
+    policy = PolicyScheduler()
+    assert [policy.classify(req("x", n)) for n in (1, 255, 256, 1023, 1024, 9000)] == [
+        "hot",
+        "hot",
+        "warm",
+        "warm",
+        "cold",
+        "cold",
+    ]
+    assert isinstance(policy.submit(req("pinned", 3000, lane="hot"), 0.0), Admitted)
+    assert policy.queued_ids() == {"pinned": "hot"}
+    verdict = policy.submit(req("bad", 10, lane="lukewarm"), 0.0)
+    assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.UNKNOWN_LANE
+
+
+def test_a_full_bucket_goes_at_once_and_a_partial_one_after_its_timeout() -> None:
+    policy = PolicyScheduler()
+    for i in range(16):
+        policy.submit(req(f"h{i}", 100), 0.0)
+    policy.submit(req("late", 100), 0.0)
+    first = policy.schedule(0.0)
+    assert len(first) == 16 and {
+        d.batch.size for d in first if isinstance(d, Dispatch) and d.batch
+    } == {16}
+    assert policy.next_wakeup(0.0) == 0.05
+    assert policy.schedule(0.049) == []
+    assert dispatched(policy.schedule(0.05)) == ["late"]
+
+
+def test_batches_keep_the_length_ratio_and_join_where_padding_is_least() -> None:
+    policy = PolicyScheduler()
+    for rid, n in [("a", 100), ("b", 140), ("c", 160), ("d", 240), ("e", 150)]:
+        policy.submit(req(rid, n), 0.0)
+    batches: dict[int, list[int]] = {}
+    for d in policy.schedule(0.05):
+        assert isinstance(d, Dispatch) and d.batch is not None
+        batches.setdefault(d.batch.batch_id, list(d.batch.prompt_tokens))
+    groups = sorted(sorted(v) for v in batches.values())
+    # 150 fits both [100, 140] and [160, 240]; it pads [100, 140] less (10+... vs 90)
+    assert groups == [[100, 140, 150], [160, 240]]
+    for lengths in groups:
+        assert max(lengths) <= 1.5 * min(lengths)
+
+
+def test_hot_timeout_without_a_fallback_rejects_with_a_reason() -> None:
+    config = PolicyConfig(kv=KvConfig(total_blocks=16, max_in_flight=1))
+    policy = PolicyScheduler(config)
+    policy.submit(req("running", 100), 0.0)
+    assert dispatched(policy.schedule(0.05)) == ["running"]
+    policy.submit(req("waiting", 100), 0.06)
+    assert policy.schedule(0.159) == []
+    assert policy.schedule(0.16) == [Expired("waiting", ExpireReason.NO_FALLBACK)]
+
+
+def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:
+    base = PolicyConfig(kv=KvConfig(total_blocks=16, max_in_flight=1))
+    policy = PolicyScheduler(replace(base, degrade_backend=True))
+    policy.submit(req("running", 100), 0.0)
+    policy.schedule(0.05)
+    policy.submit(req("w", 100), 0.06)
+    [decision] = policy.schedule(0.17)
+    assert isinstance(decision, Dispatch) and decision.target is Target.DEGRADE
+
+    base = PolicyConfig(kv=KvConfig(total_blocks=64, max_in_flight=1))
+    policy = PolicyScheduler(replace(base, degrade_max_tokens=16))
+    policy.submit(req("running", 100), 0.0)
+    policy.schedule(0.05)
+    policy.submit(req("w", 100, max_tokens=500), 0.06)
+    assert policy.schedule(0.17) == []  # promoted and shortened, waiting for the running one
+    policy.on_done("running", 0.2, 10)
+    [decision] = policy.schedule(0.2)
+    assert isinstance(decision, Dispatch) and decision.max_tokens == 16
+    assert dict(policy.stats().counters)["degraded_max_tokens"] == 1
+
+
+def test_warm_waits_again_twice_then_is_rejected() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=64, max_in_flight=1)))
+    policy.submit(req("running", 300), 0.0)
+    policy.schedule(0.05)
+    policy.submit(req("w", 300), 0.1)
+    assert policy.schedule(0.6) == [] and policy.schedule(1.1) == []
+    counters = dict(policy.stats().counters)
+    assert counters["requeued"] == 2
+    assert policy.schedule(1.6) == [Expired("w", ExpireReason.REQUEUE_LIMIT)]
+
+
+def test_cold_goes_to_the_elastic_pool_or_keeps_waiting() -> None:
+    lanes = tuple(
+        replace(lane, queue_timeout_s=2.0) if lane.name == "cold" else lane
+        for lane in default_lanes()
+    )
+    base = PolicyConfig(lanes=lanes, kv=KvConfig(total_blocks=1024, max_in_flight=1))
+    for elastic, expected in ((True, Target.ELASTIC), (False, None)):
+        policy = PolicyScheduler(replace(base, elastic_backend=elastic))
+        policy.submit(req("running", 2000), 0.0)
+        policy.schedule(0.05)
+        policy.submit(req("c", 2000), 0.1)
+        decisions = policy.schedule(2.1)
+        if expected is None:
+            assert decisions == [] and policy.queued_ids() == {"c": "cold"}
+        else:
+            assert [(d.request_id, d.target) for d in decisions if isinstance(d, Dispatch)] == [
+                ("c", expected)
+            ]
+
+
+def test_kv_admission_holds_a_batch_until_blocks_are_free_and_frees_them_after() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=20, tokens_per_block=16)))
+    policy.submit(req("a", 200, max_tokens=56), 0.0)  # 256 tokens: 16 blocks
+    policy.submit(req("b", 1000, max_tokens=24, lane="hot"), 0.0)  # 64 blocks: too large
+    assert dispatched(policy.schedule(0.05)) == ["a"]
+    kv = policy.stats().kv
+    assert kv is not None and kv.reserved_blocks == 16 and kv.free_blocks == 4
+    policy.submit(req("c", 100, max_tokens=60), 0.1)  # 10 blocks: waits
+    assert policy.schedule(0.15) == []
+    policy.on_done("a", 0.18, 56)
+    assert dispatched(policy.schedule(0.18)) == ["c"]
+    verdict = policy.submit(req("huge", 400, max_tokens=24), 0.3)
+    assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.TOO_LARGE
+    assert "KV blocks" in verdict.message
+
+
+def test_contiguous_mode_reserves_the_maximum_sequence_length() -> None:
+    kv = KvConfig(KvMode.CONTIGUOUS, tokens_per_block=16, total_blocks=1024, max_seq_len=4096)
+    policy = PolicyScheduler(PolicyConfig(kv=kv))
+    for i in range(5):
+        policy.submit(req(f"r{i}", 100), 0.0)
+    assert len(dispatched(policy.schedule(0.05))) == 4  # 256 blocks each
+    assert policy.stats().kv.fragmentation > 0.9  # type: ignore[union-attr]
+
+
+def test_a_flooding_tenant_does_not_starve_another() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=16)))
+    for i in range(200):
+        policy.submit(req(f"a{i}", 300, tenant="flood"), 0.0)
+    for i in range(4):
+        policy.submit(req(f"b{i}", 300, tenant="quiet"), 0.01)
+    order: list[str] = []
+    now = 0.05
+    for _ in range(8):
+        batch = dispatched(policy.schedule(now))
+        order += batch
+        for rid in batch:
+            policy.on_done(rid, now, 10)
+        now += 0.05
+    assert len(order) >= 64
+    assert {f"b{i}" for i in range(4)} <= set(order[:48])
+
+
+def test_idle_lanes_lend_their_share_and_busy_lanes_split_by_share() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=32)))
+    for i in range(64):
+        policy.submit(req(f"w{i}", 300), 0.0)
+    assert len(dispatched(policy.schedule(0.0))) == 32  # warm alone takes every row
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=10_000)))
+    tokens = {"hot": 0, "cold": 0}
+    for i in range(400):
+        policy.submit(req(f"h{i}", 200, max_tokens=100), 0.0)
+    for i in range(100):
+        policy.submit(req(f"c{i}", 1500, max_tokens=100), 0.0)
+    decisions = [d for d in policy.schedule(0.0) if isinstance(d, Dispatch)][:300]
+    for d in decisions:
+        tokens[d.lane] += max(d.batch.prompt_tokens) if d.batch else 0
+    share = tokens["hot"] / (tokens["hot"] + tokens["cold"])
+    assert 0.6 < share < 0.85  # 40 : 15 by configured share -> 0.73
+
+
+def test_the_breaker_demotes_warm_arrivals_while_hot_is_backed_up_and_closes_after() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=1000, max_in_flight=1)))
+    for i in range(51):
+        policy.submit(req(f"h{i}", 10), 0.0)
+    for i in range(4):
+        policy.submit(req(f"w{i}", 300), 0.0)
+    lanes = policy.queued_ids()
+    assert sum(lanes[f"w{i}"] == "cold" for i in range(4)) == 2
+    assert policy.stats().breaker_open
+    policy.schedule(0.2)  # hot requests time out (no fallback): the backlog drains
+    policy.schedule(1.0)
+    assert not policy.stats().breaker_open
+
+
+def test_a_request_past_its_prediction_gets_more_blocks_and_is_counted() -> None:
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=1000)))
+    for i in range(16):  # teach the predictor: this tenant uses 1/4 of max_tokens
+        policy.submit(req(f"t{i}", 100, max_tokens=400), 0.0)
+    for d in policy.schedule(0.0):
+        policy.on_done(d.request_id, 0.1, 100)
+    policy.submit(req("big", 100, max_tokens=400), 0.2)
+    policy.schedule(0.25)
+    before = policy.mirror.held()["big"]
+    assert before == 13  # (100 + 100) / 16, rounded up
+    policy.on_progress("big", 150, 0.3)
+    assert policy.mirror.held()["big"] == 32  # grown to cover prompt + max_tokens
+    assert dict(policy.stats().counters)["mispredicted"] == 1
+
+
+def test_aging_promotes_and_the_bound_is_reported() -> None:
+    lanes = tuple(
+        replace(lane, max_wait_s=0.3) if lane.name == "cold" else lane for lane in default_lanes()
+    )
+    policy = PolicyScheduler(PolicyConfig(lanes=lanes))
+    policy.submit(req("c", 2000), 0.0)
+    assert [lane.max_wait_s for lane in policy.stats().lanes] == [0.1, 1.0, 0.3]
+    assert dispatched(policy.schedule(0.05)) == ["c"]  # ready after its batch timeout anyway
+    assert dict(policy.stats().counters).get("promoted") is None
+
+
+def test_queue_caps_reject_with_a_retry_hint() -> None:
+    lanes = (LaneConfig("only", 0, 1.0, 4, 2, None, OnTimeout.REQUEUE),)
+    config = PolicyConfig(
+        lanes=lanes,
+        breaker=replace(
+            PolicyConfig().breaker, watch_lane="only", demote_lane="only", to_lane="only"
+        ),
+        retry_after_s=0.25,
+    )
+    policy = PolicyScheduler(config)
+    policy.submit(req("a", 10), 0.0)
+    policy.submit(req("b", 10), 0.0)
+    verdict = policy.submit(req("c", 10), 0.0)
+    assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.QUEUE_FULL
+    assert verdict.retry_after_s == 0.25 and "'only' is full" in verdict.message
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random arrivals, time, completions, cancels and KV observations; invariants hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        lanes = tuple(replace(lane, max_queued=12) for lane in default_lanes())
+        self.config = PolicyConfig(
+            lanes=lanes, kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8)
+        )
+        self.policy = PolicyScheduler(self.config)
+        self.now = 0.0
+        self.n = 0
+        self.ends: dict[str, str] = {}  # request id -> terminal state
+        self.admitted: set[str] = set()
+        self.in_flight: set[str] = set()
+
+    @rule(
+        prompt=st.integers(1, 3000),
+        max_tokens=st.integers(1, 400),
+        tenant=st.sampled_from(["a", "b"]),
+        deadline=st.none() | st.floats(0.0, 2.0),
+    )
+    def submit(self, prompt: int, max_tokens: int, tenant: str, deadline: float | None) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        when = None if deadline is None else self.now + deadline
+        verdict = self.policy.submit(
+            Request(rid, prompt, max_tokens, tenant=tenant, queue_deadline=when), self.now
+        )
+        if isinstance(verdict, Rejected):
+            self.ends[rid] = "rejected"
+        else:
+            self.admitted.add(rid)
+
+    @rule(dt=st.floats(0.0, 0.7))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for decision in self.policy.schedule(self.now):
+            rid = decision.request_id
+            assert rid in self.admitted and rid not in self.ends and rid not in self.in_flight
+            if isinstance(decision, Expired):
+                self.ends[rid] = "expired"
+                continue
+            assert decision.batch is not None
+            lane = self.config.lane(decision.lane)
+            assert decision.batch.size <= lane.max_batch
+            lengths = decision.batch.prompt_tokens
+            assert max(lengths) <= lane.max_ratio * min(lengths)
+            self.in_flight.add(rid)
+        self.check_waits()
+
+    def check_waits(self) -> None:
+        # Nobody waits past its lane's bound + batch timeout while what it needs is free.
+        free = self.policy.mirror.free_blocks
+        rows = self.config.kv.max_in_flight - len(
+            [r for r, t in self.policy.in_flight_ids().items() if t is Target.PRIMARY]
+        )
+        for rid, lane_name in self.policy.queued_ids().items():
+            lane = self.config.lane(lane_name)
+            entry = self.policy.lanes[lane_name].entries[rid]
+            if lane.max_wait_s is None:
+                continue
+            if self.now - entry.arrived_at > lane.max_wait_s + lane.batch_timeout_s:
+                need = self.policy.mirror.need(entry.prompt_tokens, entry.predicted_output)
+                assert need > free or rows == 0, f"{rid} overdue with room free"
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), used=st.integers(0, 500), cancel=st.booleans())
+    def finish(self, data: st.DataObject, used: int, cancel: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.in_flight)))
+        self.in_flight.discard(rid)
+        if cancel:
+            self.policy.cancel(rid, self.now)
+            self.ends[rid] = "cancelled"
+        else:
+            self.policy.on_done(rid, self.now, used)
+            self.ends[rid] = "done"
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), used=st.integers(1, 600))
+    def progress(self, data: st.DataObject, used: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.in_flight)))
+        self.policy.on_progress(rid, used, self.now)
+
+    @rule(extra=st.integers(0, 50))
+    def observe(self, extra: int) -> None:
+        mirror = self.policy.mirror
+        used = min(mirror.total_blocks, mirror.reserved_blocks + extra)
+        self.policy.observe_kv(mirror.total_blocks - used, mirror.total_blocks, self.now)
+
+    @rule(data=st.data())
+    def cancel_queued(self, data: st.DataObject) -> None:
+        queued = sorted(self.policy.queued_ids())
+        if queued:
+            rid = data.draw(st.sampled_from(queued))
+            self.policy.cancel(rid, self.now)
+            self.ends[rid] = "cancelled"
+
+    @invariant()
+    def one_state_each(self) -> None:
+        queued = set(self.policy.queued_ids())
+        flying = set(self.policy.in_flight_ids())
+        assert not queued & flying
+        assert flying == self.in_flight
+        assert not (queued | flying) & set(self.ends)
+        assert queued | flying | set(self.ends) == self.admitted | {
+            r for r, s in self.ends.items() if s == "rejected"
+        }
+
+    @invariant()
+    def kv_is_conserved(self) -> None:
+        mirror = self.policy.mirror
+        held = mirror.held()
+        primary = {r for r, t in self.policy.in_flight_ids().items() if t is Target.PRIMARY}
+        assert set(held) == primary
+        assert sum(held.values()) == mirror.reserved_blocks
+        assert min([mirror.free_blocks, mirror.external_blocks, *held.values(), 0]) >= 0
+        assert (
+            mirror.reserved_blocks + mirror.external_blocks + mirror.free_blocks
+            == mirror.total_blocks + mirror.overcommit_blocks
+        )
+
+    @invariant()
+    def queues_within_caps(self) -> None:
+        for lane in self.policy.stats().lanes:
+            assert lane.queued <= lane.max_queued
+
+
+TestPolicyMachine = PolicyMachine.TestCase
+TestPolicyMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

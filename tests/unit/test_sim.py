@@ -1,0 +1,69 @@
+"""The simulator: seeded and repeatable, its math right, its summaries as stored."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from scheduler_svc.sim.report import percentile, summarize
+from scheduler_svc.sim.runner import simulate, with_duration
+from scheduler_svc.sim.suite import GOLDEN, run_suite
+from scheduler_svc.sim.workload import SCENARIOS, generate
+
+GOLDEN_FILE = Path(__file__).resolve().parents[1] / "data" / "sim_golden.json"
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (
+        50.0,
+        99.0,
+        100.0,
+    )
+    assert percentile([], 50) is None and percentile([3.0], 1) == 3.0
+
+
+def test_workloads_are_seeded_open_loop_and_match_their_means() -> None:
+    scenario = SCENARIOS["long_docs"]
+    a, b = generate(scenario, 7), generate(scenario, 7)
+    assert a == b and a != generate(scenario, 8)
+    assert all(x.arrival_s < y.arrival_s for x, y in itertools.pairwise(a))
+    rate = len(a) / scenario.duration_s
+    assert 0.7 * scenario.qps < rate < 1.3 * scenario.qps
+    mean_prompt = sum(r.prompt_tokens for r in a) / len(a)
+    assert 3300 < mean_prompt < 4300  # 3,856 on average, clipped to [2048, 7000]
+    assert all(1 <= r.output_tokens <= r.max_tokens for r in a)
+
+
+def test_every_request_ends_in_exactly_one_state() -> None:
+    for target in ("fifo", "priority", "policy"):
+        run = simulate(with_duration(SCENARIOS["mixed"], 5.0), target, "inflight", seed=3)
+        states = {o.state for o in run.outcomes}
+        assert states <= {"served", "rejected", "failed"}
+        summary = summarize(run)
+        assert summary["requests"] == sum(
+            1 for o in run.outcomes if o.state in ("served", "rejected", "failed")
+        )
+
+
+def test_the_policy_shields_hot_requests_under_overload() -> None:
+    scenario = with_duration(SCENARIOS["spread_8to1"], 10.0)
+    fifo = summarize(simulate(scenario, "fifo", "inflight", seed=0))
+    policy = summarize(simulate(scenario, "policy", "inflight", seed=0))
+    assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"] / 3
+    assert policy["goodput_rps"] > fifo["goodput_rps"]
+    static_fifo = summarize(simulate(scenario, "fifo", "static", seed=0))
+    static_policy = summarize(simulate(scenario, "policy", "static", seed=0))
+    assert static_policy["padding_ratio"] < 0.1
+    assert static_fifo["padding_ratio"] > 0.4
+
+
+def test_seeded_runs_match_the_stored_summaries() -> None:
+    stored = json.loads(GOLDEN_FILE.read_text())
+    fresh = run_suite(GOLDEN)
+    assert fresh["params"] == stored["params"]
+    assert fresh["cost_model"] == stored["cost_model"]
+    for now, then in zip(fresh["runs"], stored["runs"], strict=True):
+        key = (now["scenario"], now["engine"], now["target"])
+        assert now == then, f"{key} changed: run `scheduler-svc simulate --write-golden` if meant"
