@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/*/*/*.proto)
 GEN    := scheduler_svc/_gen/.generated
 
-.PHONY: run test lint typecheck unit integration bench-engine bench-sidecar clean
+.PHONY: run test lint typecheck unit integration bench-engine bench-sidecar bench-core simulate sim-golden clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -47,6 +47,18 @@ bench-engine: $(GEN)
 # The sidecar's overhead against Triton alone (a benchmark): figures for docs/sidecar.md.
 bench-sidecar: $(GEN)
 	$(BIN)/python benchmarks/sidecar_overhead.py
+
+# The policy core's own cost with 10,000 requests queued, and the simulator's speed.
+bench-core: $(GEN)
+	$(BIN)/python benchmarks/core_cost.py
+
+# The source document's scenarios on the A100 cost model: table + results/simulate.json.
+simulate: $(GEN)
+	$(BIN)/scheduler-svc simulate
+
+# Regenerate the stored simulator summaries after an intended policy change.
+sim-golden: $(GEN)
+	$(BIN)/scheduler-svc simulate --write-golden
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
