@@ -81,7 +81,8 @@ def main() -> None:
     print(f"| requests queued while measuring | {cost['queued']:,} |")
     print(f"| submit + schedule, median | {cost['submit_schedule_us_median']:.0f} µs |")
     print(f"| submit + schedule, p99 | {cost['submit_schedule_us_p99']:.0f} µs |")
-    print(f"| on_done + schedule (dispatching), median | {cost['done_schedule_us_median']:.0f} µs |")
+    done_us = cost["done_schedule_us_median"]
+    print(f"| on_done + schedule (dispatching), median | {done_us:.0f} µs |")
     print(
         f"| simulator, mixed scenario ({speed['requests']} requests, "
         f"{speed['virtual_s']:.0f} s virtual) | {speed['wall_s']:.2f} s wall, "

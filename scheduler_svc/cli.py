@@ -158,6 +158,7 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         duration_scale=args.duration_scale,
         slo_search=not args.no_slo_search,
+        kv_mode=args.kv_mode,
     )
     try:
         result = suite.run_suite(params, lambda step: print(f"  {step}", file=sys.stderr))
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument(
         "--duration-scale", type=float, default=1.0, help="multiply each scenario's duration"
+    )
+    sim.add_argument(
+        "--kv-mode",
+        choices=["paged", "contiguous"],
+        default="paged",
+        help="engine and mirror KV allocation; contiguous is the source document's 'before'",
     )
     sim.add_argument("--no-slo-search", action="store_true", help="skip the QPS-at-SLO bisection")
     sim.add_argument("--json", default="results/simulate.json", help="where the figures go")

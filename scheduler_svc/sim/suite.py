@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scheduler_svc.core.config import KvMode
 from scheduler_svc.sim.costmodel import A100_AWQ_8B
 from scheduler_svc.sim.report import qps_at_slo, summarize
 from scheduler_svc.sim.runner import ENGINES, TARGETS, RunResult, simulate, with_duration
@@ -25,6 +26,7 @@ class SuiteParams:
     seed: int = 0
     duration_scale: float = 1.0  # multiplies each scenario's duration
     slo_search: bool = True  # bisect for QPS at SLO (in-flight engine only)
+    kv_mode: str = "paged"  # "contiguous" replays the source document's "before" allocation
 
 
 GOLDEN = SuiteParams(duration_scale=0.25, slo_search=False)
@@ -35,6 +37,7 @@ def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None
     unknown = [s for s in params.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown} (choose from {', '.join(SCENARIOS)})")
+    kv = KvMode(params.kv_mode)
     rows: list[dict[str, Any]] = []
     for name in params.scenarios:
         scenario = with_duration(
@@ -44,11 +47,11 @@ def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None
             for target in params.targets:
                 if progress is not None:
                     progress(f"{name} / {engine} / {target}")
-                summary = summarize(simulate(scenario, target, engine, params.seed))
+                summary = summarize(simulate(scenario, target, engine, params.seed, kv_mode=kv))
                 if params.slo_search and engine == "inflight" and name != "burst":
 
                     def run_at(qps: float, s: Scenario = scenario, t: str = target) -> RunResult:
-                        return simulate(s, t, "inflight", params.seed, qps)
+                        return simulate(s, t, "inflight", params.seed, qps, kv_mode=kv)
 
                     summary["qps_at_slo"] = qps_at_slo(run_at, lo=0.5, hi=4 * scenario.qps)
                 rows.append(summary)
