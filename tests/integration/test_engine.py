@@ -178,8 +178,13 @@ def test_cancelled_request_frees_its_blocks_promptly(triton: TritonServer) -> No
 
     def cancel_after_three(answer: Answer, client: grpcclient.InferenceServerClient) -> bool:
         if len(answer.tokens()) == 3:
-            samples = scrape(triton.metrics_url)
-            seen["used"] = engine_metric(samples, KV, MODEL, kv_cache_block_type="used")
+            # The engine publishes its gauges after a step, not with each token: look a few
+            # times while the request is still running (it has ~800 tokens to go).
+            for _ in range(20):
+                samples = scrape(triton.metrics_url)
+                seen["used"] = engine_metric(samples, KV, MODEL, kv_cache_block_type="used")
+                if seen["used"] > 0:
+                    break
             return True
         return False
 
