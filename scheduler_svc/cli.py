@@ -5,6 +5,8 @@ Commands:
   run      the embedded default: the bundled Triton with the CPU reference engine, plus the sidecar
   triton   start the bundled tritonserver on a model repository and keep it in the foreground
   simulate replay the source document's scenarios against the policy in virtual time
+  model-repo render a Triton model repository from templates, or check one offline
+  health   ask a sidecar's gRPC health service (exit 0 when SERVING); for container probes
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import yaml
+
 from scheduler_svc import __version__
 from scheduler_svc.config import SidecarConfig, load_config
-from scheduler_svc.errors import SchedulerSvcError
+from scheduler_svc.errors import ConfigError, SchedulerSvcError
 from scheduler_svc.triton.launcher import TritonServer
 
 
@@ -175,6 +179,61 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_repo_render(args: argparse.Namespace) -> int:
+    from scheduler_svc import modelrepo  # noqa: PLC0415 - only this command needs it
+
+    template = Path(args.template)
+    values: dict[str, object] = {}
+    values_file = Path(args.values) if args.values else template / "values.yaml"
+    if values_file.is_file():
+        loaded = yaml.safe_load(values_file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{values_file} must be a mapping of key: value")
+        values.update(loaded)
+    elif args.values:
+        raise ConfigError(f"values file {values_file} does not exist")
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: use KEY=VALUE")
+        values[key] = value
+    written = modelrepo.render(template, values, Path(args.out))
+    problems = modelrepo.check(Path(args.out))
+    print(f"wrote {len(written)} files to {args.out}")
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _model_repo_check(args: argparse.Namespace) -> int:
+    from scheduler_svc import modelrepo  # noqa: PLC0415
+
+    problems = modelrepo.check(Path(args.repo))
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"{args.repo}: every config.pbtxt parses and every ensemble is wired consistently")
+    return 1 if problems else 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(  # type: ignore[attr-defined]  # the stubs leave Check untyped
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scheduler-svc",
@@ -219,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--quiet", action="store_true", help="do not forward Triton's log")
     triton.set_defaults(func=_triton)
 
+    _add_tool_commands(commands)
+    return parser
+
+
+def _add_tool_commands(commands: Any) -> None:
+    """Commands that need no running sidecar: simulate, model-repo, health."""
     sim = commands.add_parser(
         "simulate", help="replay the source document's scenarios (A100 model)"
     )
@@ -241,7 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-golden", action="store_true", help="regenerate tests/data/sim_golden.json"
     )
     sim.set_defaults(func=_simulate)
-    return parser
+
+    repo = commands.add_parser("model-repo", help="render or check a Triton model repository")
+    repo_commands = repo.add_subparsers(dest="repo_command", required=True)
+    render = repo_commands.add_parser("render", help="write a repository from templates")
+    render.add_argument("--template", default="model_repo/trtllm", help="template folder")
+    render.add_argument("--values", help="YAML of key: value (default: <template>/values.yaml)")
+    render.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one value")
+    render.add_argument("--out", required=True, help="output folder (new or empty)")
+    render.set_defaults(func=_model_repo_render)
+    check = repo_commands.add_parser("check", help="parse and cross-check every config.pbtxt")
+    check.add_argument("repo", help="model repository folder")
+    check.set_defaults(func=_model_repo_check)
+
+    health = commands.add_parser("health", help="exit 0 if a sidecar's gRPC health is SERVING")
+    health.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the sidecar")
+    health.add_argument("--service", default="", help="service name ('' is the whole server)")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
+    health.set_defaults(func=_health)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,6 +82,12 @@ class ServerConfig(_Frozen):
     max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest request message accepted."
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Prometheus metrics port (scheduler_svc_*); null: no endpoint, 0: a free one.",
+    )
     drain_grace_s: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM, how long in-flight requests may finish."
     )

@@ -22,12 +22,14 @@ from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.metrics import MetricsServer
 from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.service import GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
 log = structlog.get_logger("scheduler_svc.server")
 
+LIVENESS = "liveness"  # the health service name a liveness probe asks for
 SERVICES = (
     scheduler_v1.SERVICE,
     pb.DESCRIPTOR.services_by_name["Admin"].full_name,
@@ -47,6 +49,7 @@ class Sidecar:
         )
         self.health = health.aio.HealthServicer()
         self.draining = False
+        self.metrics: MetricsServer | None = None
         self._serving: bool | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -82,11 +85,17 @@ class Sidecar:
         # Know the backend's state before the first call arrives (serving starts either way).
         self.service.backend_ready = await self.backend.ready()
         await self._set_health(self.service.backend_ready)
+        # Liveness: this process answers; it does not depend on Triton (whose engine may take
+        # minutes to load), so a liveness probe on it never restarts a healthy sidecar.
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
+        if server_cfg.metrics_port is not None:
+            self.metrics = MetricsServer(self.dispatcher, server_cfg.host, server_cfg.metrics_port)
         log.info(
             "sidecar ready",
             port=self.port,
+            metrics_port=self.metrics.port if self.metrics else None,
             triton=self.cfg.triton.url,
             scheduler=self.dispatcher.scheduler.name,
         )
@@ -132,4 +141,6 @@ class Sidecar:
                 await self._watcher
         await self.dispatcher.close()
         await self.backend.close()
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("stopped", finished=dict(self.service.outcomes))

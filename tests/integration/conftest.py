@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,23 @@ def _start(repo: Path, log_path: Path) -> TritonServer:
     return server
 
 
+@dataclass(frozen=True)
+class ExternalTriton:
+    """A Triton someone else started (deploy/gpu_check.sh: TensorRT-LLM on a GPU)."""
+
+    grpc_url: str
+    metrics_url: str
+
+
 @pytest.fixture(scope="session")
-def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """The shipped `model_repo/cpu`, exactly as `make run` serves it."""
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer | ExternalTriton]:
+    """The shipped `model_repo/cpu`, exactly as `make run` serves it; or, when
+    SCHEDULER_SVC_TRITON="GRPC_HOST:PORT,METRICS_URL" is set, that server instead."""
+    external = os.environ.get("SCHEDULER_SVC_TRITON")
+    if external:
+        grpc_url, _, metrics_url = external.partition(",")
+        yield ExternalTriton(grpc_url, metrics_url)
+        return
     server = _start(CPU_REPO, tmp_path_factory.mktemp("logs") / "triton-cpu.log")
     yield server
     server.stop()
@@ -85,7 +101,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]
 
 @pytest.fixture(scope="session")
 def sidecar(
-    triton: TritonServer, tmp_path_factory: pytest.TempPathFactory
+    triton: TritonServer | ExternalTriton, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SidecarProcess]:
     """The real sidecar, default config, in front of the shipped CPU repository."""
     process = SidecarProcess(triton.grpc_url, tmp_path_factory.mktemp("sidecar")).start()

@@ -24,6 +24,9 @@ class TritonPythonModel:
         params = json.loads(args["model_config"]).get("parameters", {})
         tokenizer_dir = params.get("tokenizer_dir", {}).get("string_value", "deepseek-v4")
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        # The model's own end and pad ids (a client may still send its own per request).
+        self.end_id = int(params.get("end_id", {}).get("string_value", DEEPSEEK_V4_END_ID))
+        self.pad_id = int(params.get("pad_id", {}).get("string_value", DEEPSEEK_V4_PAD_ID))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._one(request) for request in requests]
@@ -40,7 +43,7 @@ class TritonPythonModel:
                     pb_utils.TritonError.INVALID_ARG,
                 )
             )
-        pad_ids = _optional(request, "PAD_ID", DEEPSEEK_V4_PAD_ID, rows)
+        pad_ids = _optional(request, "PAD_ID", self.pad_id, rows)
         width = max(len(ids) for ids in encoded)
         input_ids = np.empty((rows, width), dtype=np.int32)
         for r, ids in enumerate(encoded):
@@ -57,9 +60,7 @@ class TritonPythonModel:
                 pb_utils.Tensor(
                     "REQUEST_OUTPUT_LEN_OUT", out_len.astype(np.int32).reshape(rows, 1)
                 ),
-                pb_utils.Tensor(
-                    "OUT_END_ID", _optional(request, "END_ID", DEEPSEEK_V4_END_ID, rows)
-                ),
+                pb_utils.Tensor("OUT_END_ID", _optional(request, "END_ID", self.end_id, rows)),
                 pb_utils.Tensor("OUT_PAD_ID", pad_ids),
             ]
         )

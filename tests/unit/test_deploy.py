@@ -1,0 +1,327 @@
+"""The production stack, validated without a GPU or a container engine: model repositories,
+docker-compose.yml, the Kubernetes manifests, the scripts, the alert rules and the dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from scheduler_svc import modelrepo
+from scheduler_svc.config import load_config
+from scheduler_svc.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_REPO = ROOT / "model_repo" / "cpu"
+TEMPLATES = ROOT / "model_repo" / "trtllm"
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+
+
+def versions() -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in (DEPLOY / "versions.env").read_text().splitlines())
+    return {k: v for k, v in (p for p in pairs if len(p) == 2) if not k.startswith("#")}
+
+
+def values() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((TEMPLATES / "values.yaml").read_text())
+    return loaded
+
+
+@pytest.fixture
+def rendered(tmp_path: Path) -> Path:
+    out = tmp_path / "repo"
+    modelrepo.render(TEMPLATES, values(), out)
+    return out
+
+
+def parse(path: Path) -> mc.ModelConfig:
+    return text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+# -- model repositories --------------------------------------------------------------------
+
+
+def test_the_cpu_repository_parses_and_its_ensemble_is_wired() -> None:
+    assert modelrepo.check(CPU_REPO) == []
+
+
+def test_the_trtllm_repository_renders_parses_and_is_wired(rendered: Path) -> None:
+    assert sorted(p.name for p in rendered.iterdir()) == [
+        "ensemble",
+        "postprocessing",
+        "preprocessing",
+        "tensorrt_llm",
+    ]
+    assert modelrepo.check(rendered) == []
+    assert (rendered / "tensorrt_llm" / "1").is_dir()  # Triton needs the version folder
+    assert "load_tokenizer" in (rendered / "preprocessing" / "1" / "model.py").read_text()
+
+
+def test_the_trtllm_engine_carries_the_source_documents_settings(rendered: Path) -> None:
+    config = parse(rendered / "tensorrt_llm" / "config.pbtxt")
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert config.backend == "tensorrtllm" and config.model_transaction_policy.decoupled
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.85"
+    assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
+    assert params["enable_chunked_context"] == "true"
+    assert params["exclude_input_in_output"] == "true"
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert 0 < int(params["max_queue_size"]) <= 4096
+    assert int(params["cancellation_check_period_ms"]) > 0
+    assert params["gpt_model_path"] == values()["engine_dir"]
+
+
+def test_both_repositories_offer_clients_the_same_text_contract(rendered: Path) -> None:
+    cpu, gpu = (
+        parse(CPU_REPO / "ensemble" / "config.pbtxt"),
+        parse(rendered / "ensemble" / "config.pbtxt"),
+    )
+    assert list(cpu.input) == list(gpu.input) and list(cpu.output) == list(gpu.output)
+    assert cpu.ensemble_scheduling == gpu.ensemble_scheduling
+    engine_cpu, engine_gpu = (
+        parse(repo / "tensorrt_llm" / "config.pbtxt") for repo in (CPU_REPO, rendered)
+    )
+    assert [(t.name, t.data_type) for t in engine_cpu.input] == [
+        (t.name, t.data_type) for t in engine_gpu.input
+    ]
+    assert [(t.name, t.data_type) for t in engine_cpu.output] == [
+        (t.name, t.data_type) for t in engine_gpu.output
+    ]
+
+
+def test_render_names_a_missing_or_unknown_key_and_writes_nothing(tmp_path: Path) -> None:
+    some = values()
+    del some["engine_dir"]
+    with pytest.raises(ConfigError, match="missing values for engine_dir"):
+        modelrepo.render(TEMPLATES, some, tmp_path / "a")
+    with pytest.raises(ConfigError, match="unknown keys engine_dirr"):
+        modelrepo.render(TEMPLATES, {**values(), "engine_dirr": "/x"}, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    modelrepo.render(TEMPLATES, {**values(), "model_name": "llama"}, tmp_path / "c")
+    assert (tmp_path / "c" / "llama" / "config.pbtxt").is_file()
+    assert parse(tmp_path / "c" / "llama" / "config.pbtxt").name == "llama"
+    with pytest.raises(ConfigError, match="is not empty"):
+        modelrepo.render(TEMPLATES, values(), tmp_path / "c")
+
+
+def test_check_finds_a_miswired_ensemble(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(CPU_REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    ensemble = repo / "ensemble" / "config.pbtxt"
+    text = ensemble.read_text()
+    text = text.replace(
+        'key: "input_lengths"      value: "_REQUEST_INPUT_LEN"',
+        'key: "input_lengths"      value: "_NOWHERE"',
+    )
+    text = text.replace(
+        '{ name: "max_tokens"  data_type: TYPE_INT32', '{ name: "max_tokens"  data_type: TYPE_FP32'
+    )
+    ensemble.write_text(text)
+    (repo / "postprocessing" / "config.pbtxt").write_text("name: 'postprocessing' nonsense {")
+    problems = [str(p) for p in modelrepo.check(repo)]
+    assert any("postprocessing: config.pbtxt does not parse" in p for p in problems), problems
+    assert any("'max_tokens' is TYPE_FP32" in p for p in problems), problems
+    assert any("'_NOWHERE' is not produced before it" in p for p in problems), problems
+
+
+# -- the sidecar's configs -------------------------------------------------------------------
+
+
+def test_the_sidecar_configs_load_and_agree_with_their_repositories() -> None:
+    gpu = load_config(K8S / "overlays" / "gpu" / "sidecar.yaml")
+    cpu = load_config(K8S / "overlays" / "cpu" / "sidecar.yaml")
+    v = values()
+    assert gpu.model.kserve_model == v["model_name"]
+    assert (gpu.model.tokenizer_dir, gpu.model.end_id, gpu.model.pad_id) == (
+        v["tokenizer_dir"],
+        v["end_id"],
+        v["pad_id"],
+    )
+    assert gpu.queue.max_in_flight == v["max_batch_size"]
+    engine = parse(CPU_REPO / "tensorrt_llm" / "config.pbtxt")
+    assert cpu.queue.max_in_flight == int(engine.parameters["max_num_sequences"].string_value)
+    for cfg in (gpu, cpu):  # the same fronts and metrics on both stacks
+        assert (cfg.server.port, cfg.server.metrics_port) == (50051, 9464)
+        assert cfg.triton.engine_model == "tensorrt_llm"
+
+
+# -- docker-compose ----------------------------------------------------------------------------
+
+
+def compose(profile: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            "docker-compose",
+            "--env-file",
+            str(DEPLOY / "versions.env"),
+            "--profile",
+            profile,
+            "config",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    loaded: dict[str, Any] = yaml.safe_load(out)
+    return loaded
+
+
+def test_compose_validates_and_the_cpu_profile_serves_the_tested_repository() -> None:
+    cfg = compose("cpu")
+    services = cfg["services"]
+    assert {"triton-cpu", "sidecar-cpu", "prometheus", "grafana"} <= set(services)
+    mounts = {
+        target: Path(source)
+        for source, target, *_ in (v.split(":") for v in services["triton-cpu"]["volumes"])
+    }
+    assert mounts["/models"] == CPU_REPO
+    assert services["triton-cpu"]["build"]["args"]["BASE_IMAGE"] == versions()["TRITON_CPU_IMAGE"]
+    assert "prometheus" in services["prometheus"]["image"]
+
+
+def test_compose_gpu_profile_reserves_a_gpu_and_pins_the_trtllm_image() -> None:
+    gpu = compose("gpu")["services"]["triton-gpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert gpu["shm_size"] and gpu["ulimits"]["memlock"] == -1
+    assert gpu["build"]["args"]["BASE_IMAGE"] == versions()["TRITON_TRTLLM_IMAGE"]
+    assert versions()["TRTLLM_VERSION"] in gpu["image"]
+
+
+def test_compose_refuses_to_run_without_the_pinned_versions() -> None:
+    result = subprocess.run(
+        ["docker-compose", "config"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode != 0 and "deploy/versions.env" in result.stderr
+
+
+# -- Kubernetes ----------------------------------------------------------------------------
+
+
+def k8s_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_the_base_manifests_pass_the_kubernetes_schema() -> None:
+    base = K8S / "base"
+    kustomization = k8s_docs(base / "kustomization.yaml")[0]
+    checked = 0
+    for name in kustomization["resources"]:
+        for doc in k8s_docs(base / name):
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+            checked += 1
+    assert checked == 3
+
+
+def test_the_sidecar_is_a_real_sidecar_probed_by_grpc_health() -> None:
+    deployment = k8s_docs(K8S / "base" / "deployment.yaml")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    [sidecar] = pod["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar (Kubernetes >= 1.29)
+    assert "127.0.0.1:8001" in sidecar["args"]  # Triton on localhost, same pod
+    assert sidecar["readinessProbe"]["grpc"] == {"port": 50051}
+    assert sidecar["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+    service = k8s_docs(K8S / "base" / "service.yaml")[0]
+    sidecar_ports = {p["name"] for p in sidecar["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= sidecar_ports
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9464"
+    hpa = k8s_docs(K8S / "base" / "hpa.yaml")[0]
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "scheduler_svc_queue_depth"
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_overlays_patch_what_exists_and_name_the_pinned_images(overlay: str) -> None:
+    folder = K8S / "overlays" / overlay
+    kustomization = k8s_docs(folder / "kustomization.yaml")[0]
+    assert kustomization["resources"] == ["../../base"]
+    base_names = {
+        (d["kind"], d["metadata"]["name"])
+        for n in ("deployment.yaml", "service.yaml", "hpa.yaml")
+        for d in k8s_docs(K8S / "base" / n)
+    }
+    base_pod = k8s_docs(K8S / "base" / "deployment.yaml")[0]["spec"]["template"]["spec"]
+    containers = {c["name"] for c in base_pod["containers"] + base_pod["initContainers"]}
+    for patch in kustomization["patches"]:
+        doc = k8s_docs(folder / patch["path"])[0]
+        assert (doc["kind"], doc["metadata"]["name"]) in base_names
+        spec = doc["spec"]["template"]["spec"]
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            assert c["name"] in containers
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts <= {v["name"] for v in spec["volumes"]} | {"sidecar-config"}
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in kustomization["images"]}
+    v = versions()
+    assert images["scheduler-svc"] == v["SIDECAR_IMAGE"]
+    triton = (
+        f"scheduler-svc-triton-trtllm:{v['TRTLLM_VERSION']}"
+        if overlay == "gpu"
+        else v["TRITON_CPU_BUILD_IMAGE"]
+    )
+    assert images["triton"] == triton
+    [generator] = kustomization["configMapGenerator"]
+    assert generator["name"] == "scheduler-svc-config"
+    assert (folder / generator["files"][0].split("=")[1]).is_file()
+
+
+# -- scripts, rules, dashboard, image ------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["build_engine.sh", "gpu_check.sh"])
+def test_scripts_pass_bash_n_and_shellcheck(script: str) -> None:
+    path = DEPLOY / script
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    result = subprocess.run(
+        ["shellcheck", "-x", str(path)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout
+    assert "versions.env" in path.read_text()
+
+
+def test_build_script_quantizes_awq_and_builds_paged_16_token_blocks() -> None:
+    text = (DEPLOY / "build_engine.sh").read_text()
+    assert "--qformat int4_awq" in text
+    for flag in ("--use_paged_context_fmha enable", "--tokens_per_block 16", "--max_num_tokens"):
+        assert flag in text
+    assert re.search(r'max_batch_size="\$\{MAX_BATCH_SIZE:-64\}"', text)
+
+
+def test_promtool_accepts_the_rules_and_the_scrape_config(tmp_path: Path) -> None:
+    rules = DEPLOY / "prometheus" / "alerts.yml"
+    subprocess.run(["promtool", "check", "rules", str(rules)], check=True, capture_output=True)
+    config = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    (tmp_path / "prometheus.yml").write_text(config.replace("/etc/prometheus/", ""))
+    shutil.copy(rules, tmp_path / "alerts.yml")
+    subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_the_dashboard_uses_the_provisioned_datasource() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "scheduler-svc.json").read_text())
+    provisioned = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
+    uid = provisioned["datasources"][0]["uid"]
+    assert dashboard["panels"] and all(p["datasource"]["uid"] == uid for p in dashboard["panels"])
+    assert all(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+
+
+def test_the_sidecar_image_is_slim_non_root_and_health_checked() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in text
+    assert re.search(r"^USER 10001$", text, re.M)
+    assert 'CMD ["scheduler-svc", "health"' in text
