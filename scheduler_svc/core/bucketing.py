@@ -61,14 +61,27 @@ class Bucket:
     urgent: bool = False
     alive: bool = True
     pushed: int = 0  # heap entries made for this bucket; only the latest counts
+    # Kept current by `join` and `refresh`, so the hot paths never rescan the members.
+    shortest: int = 0
+    longest: int = 0
+    first_arrival: float = 0.0
 
-    @property
-    def shortest(self) -> int:
-        return min(e.prompt_tokens for e in self.members)
+    def join(self, entry: Entry) -> None:
+        first = not self.members
+        self.members.append(entry)
+        n = entry.prompt_tokens
+        self.shortest = n if first else min(self.shortest, n)
+        self.longest = n if first else max(self.longest, n)
+        self.first_arrival = (
+            entry.arrived_at if first else min(self.first_arrival, entry.arrived_at)
+        )
 
-    @property
-    def longest(self) -> int:
-        return max(e.prompt_tokens for e in self.members)
+    def refresh(self) -> None:
+        """Recompute the cached bounds after a member left."""
+        if self.members:
+            self.shortest = min(e.prompt_tokens for e in self.members)
+            self.longest = max(e.prompt_tokens for e in self.members)
+            self.first_arrival = min(e.arrived_at for e in self.members)
 
     def min_tag(self) -> float:
         return min(e.tag for e in self.members)
@@ -88,7 +101,8 @@ class LaneQueue:
         self._ids = itertools.count()
         self.virtual_time = 0.0
         self._tenant_finish: dict[str, float] = {}
-        self._promoted: dict[str, Entry] = {}
+        self._promoted: set[str] = set()  # request ids promoted by aging
+        self._urgent: dict[int, tuple[Bucket, int]] = {}  # bucket id -> (bucket, promoted in it)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -106,7 +120,7 @@ class LaneQueue:
         if bucket is None:
             bucket = Bucket(next(self._ids), now)
             self._filling.append(bucket)
-        bucket.members.append(entry)
+        bucket.join(entry)
         entry.bucket = bucket
         if len(bucket.members) >= self.config.max_batch:
             self._filling.remove(bucket)
@@ -157,32 +171,37 @@ class LaneQueue:
     def promote(self, entry: Entry) -> None:
         """Aging: the entry's bucket goes ahead of the fair order from now on."""
         entry.promoted = True
-        self._promoted[entry.request_id] = entry
-        if entry.bucket is not None:
-            self.mark_ready(entry.bucket, urgent=True)
+        bucket = entry.bucket
+        if bucket is None or entry.request_id in self._promoted:
+            return
+        self._promoted.add(entry.request_id)
+        _, count = self._urgent.get(bucket.bucket_id, (bucket, 0))
+        self._urgent[bucket.bucket_id] = (bucket, count + 1)
+        self.mark_ready(bucket, urgent=True)
 
     def urgent_buckets(self) -> list[Bucket]:
         """Buckets holding a promoted request, the longest-waiting first."""
-        found: dict[int, Bucket] = {}
-        for entry in self._promoted.values():
-            if entry.bucket is not None:
-                found[entry.bucket.bucket_id] = entry.bucket
-        return sorted(
-            found.values(),
-            key=lambda b: (min(e.arrived_at for e in b.members), b.bucket_id),
-        )
+        buckets = (bucket for bucket, _ in self._urgent.values())
+        return sorted(buckets, key=lambda b: (b.first_arrival, b.bucket_id))
 
     # -- departures --------------------------------------------------------------------------
 
     def remove(self, entry: Entry) -> None:
         """Take an entry out of the lane (cancelled, expired, requeued or dispatched)."""
         self.entries.pop(entry.request_id, None)
-        self._promoted.pop(entry.request_id, None)
         bucket = entry.bucket
         entry.bucket = None
         if bucket is None:
             return
+        if entry.request_id in self._promoted:
+            self._promoted.discard(entry.request_id)
+            _, count = self._urgent[bucket.bucket_id]
+            if count > 1:
+                self._urgent[bucket.bucket_id] = (bucket, count - 1)
+            else:
+                del self._urgent[bucket.bucket_id]
         bucket.members.remove(entry)
+        bucket.refresh()
         if not bucket.members:
             bucket.alive = False
             if bucket in self._filling:

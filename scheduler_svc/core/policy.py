@@ -327,7 +327,7 @@ class PolicyScheduler:
     def _dispatch_promoted(self, out: list[Decision]) -> bool:
         """Dispatch buckets holding promoted requests; True if one is blocked (drain for it)."""
         waiting = [
-            (min(e.arrived_at for e in bucket.members), bucket.bucket_id, name, bucket)
+            (bucket.first_arrival, bucket.bucket_id, name, bucket)
             for name, queue in self.lanes.items()
             for bucket in queue.urgent_buckets()
         ]
