@@ -70,6 +70,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """CLI flags that were given, as nested config overrides."""
     flat = {
         ("triton", "url"): getattr(args, "triton_url", None),
+        ("triton", "metrics_url"): getattr(args, "triton_metrics_url", None),
+        ("server", "metrics_port"): getattr(args, "metrics_port", None),
         ("server", "host"): args.host,
         ("server", "port"): args.port,
         ("server", "log_level"): args.log_level,
@@ -128,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             overrides = _overrides(args)
             overrides.setdefault("triton", {})["url"] = server.grpc_url
+            overrides["triton"]["metrics_url"] = server.metrics_url
             cfg = load_config(args.config, overrides)
             logs.configure(cfg.server.log_level)
             ready = (
@@ -248,9 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--host", help="listen address (server.host)")
         cmd.add_argument("--port", type=int, help="gRPC port, 0 for a free one (server.port)")
         cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+        cmd.add_argument(
+            "--metrics-port", type=int, help="Prometheus metrics port (server.metrics_port)"
+        )
 
     serve = commands.add_parser("serve", help="run the sidecar in front of a Triton server")
     serve.add_argument("--triton-url", help="Triton gRPC address HOST:PORT (triton.url)")
+    serve.add_argument(
+        "--triton-metrics-url", help="Triton's metrics page, for KV counts (triton.metrics_url)"
+    )
     sidecar_flags(serve)
     serve.set_defaults(func=_serve)
 

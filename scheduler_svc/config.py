@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scheduler_svc.core import config as core_config
+from scheduler_svc.core.config import KvConfig, PolicyConfig
 from scheduler_svc.errors import ConfigError
 
 
@@ -33,6 +35,26 @@ class TritonConfig(_Frozen):
     connect_timeout_s: float = Field(
         5.0, gt=0, le=120, description="Seconds a readiness check or metadata call may take."
     )
+    metrics_url: str | None = Field(
+        None,
+        description="Triton's metrics page (http://HOST:8002/metrics); its KV block counts keep "
+        "the policy's KV mirror honest. Null: the mirror's own accounting only.",
+    )
+    kv_poll_interval_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds between reads of the KV block counts."
+    )
+    dispatch: Literal["wave", "batch"] = Field(
+        "wave",
+        description="wave: a released batch goes as simultaneous one-row requests; batch: as one "
+        "multi-row request whose streamed rows are routed back by batch_index.",
+    )
+
+
+class BackendEndpoint(_Frozen):
+    """Another Triton serving the same engine contract (the degrade target, the elastic pool)."""
+
+    url: str = Field(min_length=3, description="Triton gRPC address HOST:PORT.")
+    engine_model: str = Field("tensorrt_llm", min_length=1, description="Engine model name.")
 
 
 class ModelConfig(_Frozen):
@@ -61,7 +83,16 @@ class ModelConfig(_Frozen):
 class QueueConfig(_Frozen):
     """The sidecar's own admission control."""
 
-    scheduler: str = Field("fifo", pattern="^fifo$", description="Scheduling policy.")
+    scheduler: Literal["fifo", "policy"] = Field(
+        "policy",
+        description="policy: lanes, length buckets, KV admission (the `policy` section); fifo: "
+        "the pass-through queue.",
+    )
+    priority_lanes: dict[str, str] = Field(
+        default_factory=lambda: {"interactive": "hot", "batch": "cold"},
+        description="Client priority hints that pin a lane (interactive / standard / batch -> "
+        "lane name); a hint not listed lets the prompt length choose.",
+    )
     max_queued: int = Field(256, ge=0, le=1_000_000, description="Requests allowed to wait.")
     max_in_flight: int = Field(
         16, ge=1, le=100_000, description="Requests dispatched to the backend at once."
@@ -101,6 +132,61 @@ class SidecarConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    policy: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Overrides of the policy's defaults (scheduler_svc/core/config.py, "
+        "docs/policy.md): lanes, breaker, kv, predict, quantum_tokens, degrade_max_tokens.",
+    )
+    degrade: BackendEndpoint | None = Field(
+        None, description="Where timed-out hot requests go (a faster model); null: none."
+    )
+    elastic: BackendEndpoint | None = Field(
+        None, description="The overflow pool for cold requests; null: none."
+    )
+
+    @model_validator(mode="after")
+    def _policy_is_valid(self) -> SidecarConfig:
+        names = [lane_cfg.name for lane_cfg in self.policy_config().lanes]
+        for urgency, lane in self.queue.priority_lanes.items():
+            if urgency not in ("interactive", "standard", "batch"):
+                raise ValueError(f"queue.priority_lanes: unknown priority {urgency!r}")
+            if lane not in names:
+                raise ValueError(f"queue.priority_lanes.{urgency}: unknown lane {lane!r}")
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        """The core's config: the `policy` section over the defaults, with the sidecar's own
+        limits (queue.max_in_flight, queue.retry_after_s) where the section leaves them out."""
+        defaults = PolicyConfig(
+            kv=KvConfig(max_in_flight=self.queue.max_in_flight),
+            retry_after_s=self.queue.retry_after_s,
+            max_queued=self.queue.max_queued,
+        )
+        return self.policy_override(defaults, self.policy)
+
+    def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:
+        """`base` with `changes` applied (the config file, UpdatePolicy, SIGHUP). A lane given
+        by name changes only the keys it names. ValueError names the field."""
+        data = _merge(
+            core_config.to_mapping(base), {k: v for k, v in changes.items() if k != "lanes"}
+        )
+        if "lanes" in changes:
+            lanes = changes["lanes"]
+            if not isinstance(lanes, list):
+                raise ValueError("policy.lanes: must be a list of lanes")
+            current = {lane["name"]: lane for lane in data["lanes"]}
+            named = {lane.get("name"): lane for lane in lanes if isinstance(lane, dict)}
+            if len(named) == len(lanes) and set(named) <= set(current):
+                # Only known lanes, by name: change the keys they give, keep the rest.
+                data["lanes"] = [{**lane, **named.get(name, {})} for name, lane in current.items()]
+            else:  # a new lane set: each lane is given whole
+                data["lanes"] = lanes
+        data["degrade_backend"] = self.degrade is not None
+        data["elastic_backend"] = self.elastic is not None
+        try:
+            return core_config.from_mapping(data)
+        except ValueError as exc:
+            raise ValueError(f"policy.{exc}") from None
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +219,9 @@ def load_config(
         return SidecarConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            str(err["ctx"]["error"])
+            if err["type"] == "value_error" and not err["loc"]
+            else f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
             for err in exc.errors()
         )
         raise ConfigError(f"invalid config: {problems}") from None

@@ -1,61 +1,230 @@
-"""The sidecar's Prometheus endpoint: its queue, read from the scheduler when scraped.
+"""The sidecar's Prometheus metrics, named by Prometheus conventions.
 
-Served on `server.metrics_port` (off when unset) by prometheus-client's own HTTP server thread.
-The collector reads the dispatcher's counters at scrape time, so the numbers are never older than
-the scrape. The Kubernetes autoscaler (deploy/k8s) scales on `scheduler_svc_queue_depth`.
+Two kinds:
+- events, recorded as they happen on the dispatcher's task: queue wait per lane (every
+  request that left the queue, immediately admitted ones included: the source document's
+  `priority_queue_wait_time`), time to first token and end-to-end latency per lane, batch
+  padding ratio (`batch_scheduler_padding_ratio`) and utilization per released batch, request
+  outcomes, interrupted streams, reclaimed KV reservations;
+- state, read at scrape time from the last snapshot the dispatcher took of the scheduler: queue
+  depths, in-flight requests, the KV mirror (blocks, fragmentation: the document's
+  `block_manager_fragmentation_rate`, staleness), the breaker, and the policy's event counters
+  (rejected / degraded / demoted / requeued / promoted / mispredicted ...).
+
+Served by prometheus-client's HTTP server thread on `server.metrics_port`. The Kubernetes
+autoscaler scales on `scheduler_svc_queue_depth`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.core.types import BatchInfo, SchedulerStats
+
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Outcomes that end a stream the client was still reading: the session interruption rate.
+INTERRUPTED = frozenset({"cancelled", "backend_failed", "backend_unavailable", "deadline"})
 
 
-class SidecarCollector(Collector):
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
+class SidecarMetrics:
+    """Every metric of one sidecar, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_wait = Histogram(
+            "scheduler_svc_queue_wait_seconds",
+            "Time from arrival to leaving the queue (dispatched or expired), per lane.",
+            ["lane"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "scheduler_svc_time_to_first_token_seconds",
+            "Time from arrival to the first generated token, per lane.",
+            ["lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "scheduler_svc_request_duration_seconds",
+            "Time from arrival to the end of the answer, per lane (served requests).",
+            ["lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.padding = Histogram(
+            "scheduler_svc_batch_padding_ratio",
+            "Share of a released batch's [rows x longest prompt] that is padding.",
+            ["lane"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.utilization = Histogram(
+            "scheduler_svc_batch_utilization_ratio",
+            "Rows of a released batch over its lane's max batch.",
+            ["lane"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "scheduler_svc_requests",
+            "Accepted requests that ended, by lane and outcome.",
+            ["lane", "outcome"],
+            registry=r,
+        )
+        self.interrupted = Counter(
+            "scheduler_svc_interrupted_streams",
+            "Dispatched requests ended by cancellation or failure (session interruptions).",
+            ["lane", "reason"],
+            registry=r,
+        )
+        self.leaked = Counter(
+            "scheduler_svc_leaked_reservations",
+            "KV reservations found without a live request, logged and reclaimed.",
+            registry=r,
+        )
+        self.snapshot: SchedulerStats | None = None
+        self.admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.registry.register(_StateCollector(self))
+
+    def observe_wait(self, lane: str, wait_s: float) -> None:
+        self.queue_wait.labels(lane).observe(max(0.0, wait_s))
+
+    def observe_batch(self, batch: BatchInfo) -> None:
+        self.padding.labels(batch.lane).observe(batch.padding_ratio)
+        self.utilization.labels(batch.lane).observe(batch.utilization)
+
+    def observe_end(
+        self,
+        lane: str,
+        outcome: str,
+        dispatched: bool,
+        ttft_s: float | None,
+        total_s: float,
+    ) -> None:
+        lane = lane or "none"
+        self.requests.labels(lane, outcome).inc()
+        if ttft_s is not None:
+            self.ttft.labels(lane).observe(ttft_s)
+        if outcome == "ok":
+            self.latency.labels(lane).observe(total_s)
+        if dispatched and outcome in INTERRUPTED:
+            self.interrupted.labels(lane, outcome).inc()
+
+
+class _StateCollector(Collector):
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.dispatcher.stats()
-        yield GaugeMetricFamily(
-            "scheduler_svc_queue_depth", "Requests waiting in the sidecar's queue.", stats.queued
-        )
-        yield GaugeMetricFamily(
-            "scheduler_svc_queue_capacity",
-            "Requests the sidecar's queue may hold.",
-            stats.max_queued,
-        )
-        yield GaugeMetricFamily(
-            "scheduler_svc_in_flight_requests",
-            "Requests dispatched to the backend and not yet finished.",
-            stats.in_flight,
-        )
-        admitted = CounterMetricFamily(
+        accepted, rejected = self.metrics.admission()
+        admission = CounterMetricFamily(
             "scheduler_svc_admission",
             "Requests answered at submission, by verdict.",
             labels=["verdict"],
         )
-        admitted.add_metric(["accepted"], self.dispatcher.accepted)
-        admitted.add_metric(["rejected"], self.dispatcher.rejected)
-        yield admitted
+        admission.add_metric(["accepted"], accepted)
+        admission.add_metric(["rejected"], rejected)
+        yield admission
+        stats = self.metrics.snapshot
+        if stats is None:
+            return
+        yield from _queue(stats)
+        yield from _kv(stats)
+        yield GaugeMetricFamily(
+            "scheduler_svc_breaker_open",
+            "1 while the circuit breaker demotes traffic.",
+            1.0 if stats.breaker_open else 0.0,
+        )
+        events = CounterMetricFamily(
+            "scheduler_svc_policy_events",
+            "Policy decisions by kind: rejected_*, expired_*, degraded_*, demoted, requeued, "
+            "promoted, mispredicted, elastic, batches, cancelled, reconfigured.",
+            labels=["event"],
+        )
+        for name, count in stats.counters:
+            events.add_metric([name], count)
+        yield events
+
+
+def _queue(stats: SchedulerStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "scheduler_svc_queue_depth", "Requests waiting in the sidecar's queue.", stats.queued
+    )
+    yield GaugeMetricFamily(
+        "scheduler_svc_queue_capacity", "Requests the sidecar's queue may hold.", stats.max_queued
+    )
+    yield GaugeMetricFamily(
+        "scheduler_svc_in_flight_requests",
+        "Requests dispatched to a backend and not yet finished.",
+        stats.in_flight,
+    )
+    depth = GaugeMetricFamily(
+        "scheduler_svc_lane_queue_depth", "Requests waiting, per lane.", labels=["lane"]
+    )
+    oldest = GaugeMetricFamily(
+        "scheduler_svc_lane_oldest_wait_seconds",
+        "The longest current wait, per lane.",
+        labels=["lane"],
+    )
+    bound = GaugeMetricFamily(
+        "scheduler_svc_lane_max_wait_seconds",
+        "The lane's declared bound on waiting before promotion (aging).",
+        labels=["lane"],
+    )
+    for lane in stats.lanes:
+        depth.add_metric([lane.name], lane.queued)
+        oldest.add_metric([lane.name], lane.oldest_wait_s)
+        if lane.max_wait_s is not None:
+            bound.add_metric([lane.name], lane.max_wait_s)
+    yield from (depth, oldest, bound)
+
+
+def _kv(stats: SchedulerStats) -> Iterator[Metric]:
+    kv = stats.kv
+    if kv is None:
+        return
+    blocks = GaugeMetricFamily(
+        "scheduler_svc_kv_blocks",
+        "The KV mirror: total, free, reserved by the sidecar's requests, used by others.",
+        labels=["state"],
+    )
+    for state, value in (
+        ("total", kv.total_blocks),
+        ("free", kv.free_blocks),
+        ("reserved", kv.reserved_blocks),
+        ("external", kv.external_blocks),
+    ):
+        blocks.add_metric([state], value)
+    yield blocks
+    yield GaugeMetricFamily(
+        "scheduler_svc_kv_fragmentation_ratio",
+        "Allocated-but-unused token slots over allocated slots, across reservations.",
+        kv.fragmentation,
+    )
+    yield GaugeMetricFamily(
+        "scheduler_svc_kv_mirror_stale",
+        "1 while the backend's KV counts are missing or old (own accounting only).",
+        1.0 if kv.stale else 0.0,
+    )
 
 
 class MetricsServer:
-    """prometheus-client's HTTP server with our registry; `close` stops it."""
+    """prometheus-client's HTTP server on our registry; `close` stops it."""
 
-    def __init__(self, dispatcher: Dispatcher, host: str, port: int) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(SidecarCollector(dispatcher))
+    def __init__(self, metrics: SidecarMetrics, host: str, port: int) -> None:
         self._server: WSGIServer
         self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, host, self.registry)
+        self._server, self._thread = start_http_server(port, host, metrics.registry)
         self.port = int(self._server.server_port)
 
     def close(self) -> None:

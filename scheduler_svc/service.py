@@ -21,11 +21,12 @@ from tokenizers import Tokenizer
 
 from scheduler_svc.backends.base import Backend, GenerationInput
 from scheduler_svc.config import SidecarConfig
-from scheduler_svc.core.types import Expired, Request, Urgency
-from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.core.types import Dispatch, Expired, ExpireReason, Request, Target, Urgency
+from scheduler_svc.dispatcher import Dispatcher, Ticket
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
+    OverloadedError,
     QueueTimeoutError,
     RequestError,
 )
@@ -35,6 +36,12 @@ log = structlog.get_logger("scheduler_svc.requests")
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+PROGRESS_EVERY_TOKENS = 16  # how often the core hears how far a request has got
+_URGENCY_NAMES = {
+    Urgency.INTERACTIVE: "interactive",
+    Urgency.STANDARD: "standard",
+    Urgency.BATCH: "batch",
+}
 
 
 class Finish(StrEnum):
@@ -90,12 +97,16 @@ class GenerationService:
         tokenizer: Tokenizer,
         dispatcher: Dispatcher,
         backend: Backend,
+        others: dict[Target, Backend] | None = None,
     ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.dispatcher = dispatcher
         self.backend = backend
+        # Where the core may send a request besides the primary: the degrade target, the
+        # elastic pool.
+        self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
         self.backend_ready = False
         self.outcomes: Counter[str] = Counter()
 
@@ -146,6 +157,9 @@ class GenerationService:
         if not self.backend_ready:
             raise BackendUnavailableError("the backend is not ready; retry shortly")
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
+        pinned = None
+        if self.cfg.queue.scheduler == "policy":
+            pinned = self.cfg.queue.priority_lanes.get(_URGENCY_NAMES[params.urgency])
         ticket = await self.dispatcher.submit(
             Request(
                 request_id=run.request_id,
@@ -154,18 +168,17 @@ class GenerationService:
                 urgency=params.urgency,
                 tenant=params.tenant,
                 queue_deadline=run.started + queue_timeout if queue_timeout else None,
+                lane=pinned,
             )
         )
         try:
             decision = await ticket.decision
             run.queued_at = time.monotonic()
-            if isinstance(decision, Expired):
-                raise QueueTimeoutError(
-                    f"waited {run.queue_ms:.0f} ms in the sidecar queue, past the request's "
-                    f"timeout of {(queue_timeout or 0) * 1000:.0f} ms"
-                )
             run.lane = decision.lane
-            forward = self._forward(run, params, prompt, max_tokens)
+            if isinstance(decision, Expired):
+                raise self._expired(decision, run, queue_timeout)
+            run.dispatched = True
+            forward = self._forward(run, params, prompt, max_tokens, decision, ticket)
             async with contextlib.aclosing(forward) as events:  # closing it cancels the backend
                 async for event in events:
                     yield event
@@ -180,15 +193,43 @@ class GenerationService:
             run.outcome = exc.type
             raise
         finally:
-            self.dispatcher.release(ticket)
+            self.dispatcher.release(ticket, run.completion_tokens if run.dispatched else None)
             self.outcomes[run.outcome] += 1
             run.log_end(params.tenant)
+            self.dispatcher.metrics.observe_end(
+                run.lane, run.outcome, run.dispatched, run.ttft_s, time.monotonic() - run.started
+            )
+
+    def _expired(self, decision: Expired, run: _Run, queue_timeout: float | None) -> RequestError:
+        waited = f"waited {run.queue_ms:.0f} ms in the sidecar queue ({decision.lane} lane)"
+        retry = self.cfg.queue.retry_after_s
+        if decision.reason == ExpireReason.NO_FALLBACK:
+            return OverloadedError(
+                f"{waited}, past its queue timeout, and no fallback backend or shorter "
+                "max_tokens is configured to degrade to",
+                retry,
+            )
+        if decision.reason == ExpireReason.REQUEUE_LIMIT:
+            return OverloadedError(f"{waited} and was requeued to its limit", retry)
+        return QueueTimeoutError(
+            f"{waited}, past the request's timeout of {(queue_timeout or 0) * 1000:.0f} ms"
+        )
 
     async def _forward(
-        self, run: _Run, params: GenerationParams, prompt: tuple[int, ...], max_tokens: int
+        self,
+        run: _Run,
+        params: GenerationParams,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        decision: Dispatch,
+        ticket: Ticket,
     ) -> AsyncGenerator[Delta | Final, None]:
         """Stream from the backend, detokenize, stop at stop strings, end with a Final."""
         remaining = params.time_remaining_s
+        backend = self.backends.get(decision.target)
+        if backend is None:
+            raise BackendUnavailableError(f"no {decision.target.value} backend is configured")
+        max_tokens = decision.max_tokens or max_tokens
         backend_input = GenerationInput(
             request_id=run.request_id,
             prompt_ids=prompt,
@@ -202,11 +243,15 @@ class GenerationService:
             timeout_s=None if remaining is None else max(remaining - run.queue_ms / 1000, 0.001),
         )
         text = TextStream(self.tokenizer, params.stop)
-        async with contextlib.aclosing(self.backend.stream(backend_input)) as tokens:
+        reported = 0
+        async with contextlib.aclosing(backend.stream(backend_input)) as tokens:
             async for ids in tokens:
                 run.first_token_at = run.first_token_at or time.monotonic()
                 delta = text.push(ids)
                 run.completion_tokens = len(text.ids)
+                if run.completion_tokens - reported >= PROGRESS_EVERY_TOKENS:
+                    reported = run.completion_tokens
+                    self.dispatcher.progress(ticket, reported)
                 yield Delta(delta, tuple(ids))
                 if text.stopped:
                     break  # leaving the block cancels the rest inside Triton
@@ -241,6 +286,11 @@ class _Run:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     outcome: str = "error"
+    dispatched: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
 
     @property
     def queue_ms(self) -> float:

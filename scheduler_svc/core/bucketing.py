@@ -144,6 +144,14 @@ class LaneQueue:
                 best, chosen = key, bucket
         return chosen
 
+    def reconfigure(self, config: LaneConfig) -> None:
+        """New limits from now on; buckets already at the new max batch become ready."""
+        self.config = config
+        for bucket in list(self._filling):
+            if len(bucket.members) >= config.max_batch:
+                self._filling.remove(bucket)
+                self.mark_ready(bucket)
+
     # -- readiness ---------------------------------------------------------------------------
 
     def mark_ready(self, bucket: Bucket, urgent: bool = False) -> None:

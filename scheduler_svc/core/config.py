@@ -150,6 +150,7 @@ class PolicyConfig:
     kv: KvConfig = field(default_factory=KvConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     quantum_tokens: int = 8192  # token budget handed out per deficit-round-robin round
+    max_queued: int | None = None  # requests waiting in all lanes together; None: lane caps only
     degrade_backend: bool = False  # a fallback backend exists for timed-out hot requests
     degrade_max_tokens: int | None = None  # else: retry timed-out hot requests this short
     elastic_backend: bool = False  # an overflow pool exists for cold requests
@@ -171,6 +172,7 @@ class PolicyConfig:
         self.kv.validate()
         self.predict.validate()
         _check(self.quantum_tokens >= 1, "quantum_tokens", "must be >= 1")
+        _check(self.max_queued is None or self.max_queued >= 0, "max_queued", "must be >= 0")
         _check(
             self.degrade_max_tokens is None or self.degrade_max_tokens >= 1,
             "degrade_max_tokens",

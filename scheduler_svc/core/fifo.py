@@ -68,7 +68,7 @@ class FifoScheduler:
         for rid, request in list(self._queued.items()):
             if request.queue_deadline is not None and now >= request.queue_deadline:
                 del self._queued[rid]
-                decisions.append(Expired(rid, ExpireReason.QUEUE_TIMEOUT))
+                decisions.append(Expired(rid, ExpireReason.QUEUE_TIMEOUT, LANE))
         while self._heap and len(self._in_flight) < self.max_in_flight:
             _, _, rid = heapq.heappop(self._heap)
             if rid not in self._queued:

@@ -134,6 +134,14 @@ class PolicyScheduler:
         predicted = self.predictor.predict(request.tenant, lane, max_tokens)
         if self.mirror.need(request.prompt_tokens, predicted) > self.mirror.total_blocks:
             return self._too_large(request, lane, max_tokens, predicted)
+        cap = self.config.max_queued
+        if cap is not None and len(self._queued) >= cap:
+            return self._reject(
+                rid,
+                RejectReason.QUEUE_FULL,
+                f"the sidecar queue is full ({cap} waiting)",
+                self.config.retry_after_s,
+            )
         queue = self.lanes[lane]
         if len(queue) >= queue.config.max_queued:
             return self._reject(
@@ -215,7 +223,7 @@ class PolicyScheduler:
             entry = found[1]
             if timer.kind == _DEADLINE:
                 self._drop(timer.lane, entry)
-                out.append(Expired(entry.request_id, ExpireReason.QUEUE_TIMEOUT))
+                out.append(Expired(entry.request_id, ExpireReason.QUEUE_TIMEOUT, timer.lane))
                 self.counters["expired_queue_timeout"] += 1
             elif timer.kind == _AGING:
                 if not entry.promoted:
@@ -240,7 +248,7 @@ class PolicyScheduler:
                 self.counters["degraded_max_tokens"] += 1
             else:
                 self._drop(lane, entry)
-                out.append(Expired(rid, ExpireReason.NO_FALLBACK))
+                out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane))
                 self.counters["expired_no_fallback"] += 1
         elif action is OnTimeout.REQUEUE:
             if entry.requeues < self.lanes[lane].config.max_requeues:
@@ -255,7 +263,7 @@ class PolicyScheduler:
                 self.counters["requeued"] += 1
             else:
                 self._drop(lane, entry)
-                out.append(Expired(rid, ExpireReason.REQUEUE_LIMIT))
+                out.append(Expired(rid, ExpireReason.REQUEUE_LIMIT, lane))
                 self.counters["expired_requeue_limit"] += 1
         elif self.config.elastic_backend:  # ELASTIC; without a pool the request keeps waiting
             self._drop(lane, entry)
@@ -279,14 +287,15 @@ class PolicyScheduler:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _fits(self, bucket: Bucket) -> list[Entry]:
-        """The members, in fair order, that the KV pool and the sequence limit can hold now."""
+    def _fits(self, bucket: Bucket, max_batch: int) -> list[Entry]:
+        """The members, in fair order, that the KV pool and the sequence limit can hold now
+        (at most `max_batch`: a bucket filled before the lane's max batch shrank goes in parts)."""
         free = self.mirror.free_blocks
         rows = self.config.kv.max_in_flight - self._rows_in_flight
         chosen: list[Entry] = []
         for entry in sorted(bucket.members, key=lambda e: (e.tag, e.seq)):
             need = self.mirror.need(entry.prompt_tokens, entry.predicted_output)
-            if need > free or rows == 0:
+            if need > free or rows == 0 or len(chosen) == max_batch:
                 break
             free -= need
             rows -= 1
@@ -333,7 +342,7 @@ class PolicyScheduler:
         ]
         for _, _, name, bucket in sorted(waiting, key=lambda w: (w[0], w[1], w[2])):
             while bucket.alive and any(e.promoted for e in bucket.members):
-                entries = self._fits(bucket)
+                entries = self._fits(bucket, self.lanes[name].config.max_batch)
                 if not entries:
                     return True
                 self._release(name, entries, out)
@@ -368,12 +377,32 @@ class PolicyScheduler:
                 share = quantum * self.lanes[other].config.share
                 cost = sum(e.cost_tokens for e in head.members)
                 self._deficit[other] = min(self._deficit[other] + rounds * share, share + cost)
-            entries = self._fits(heads[name])
+            entries = self._fits(heads[name], self.lanes[name].config.max_batch)
             if not entries:
                 blocked.add(name)
                 continue
             self._deficit[name] -= self._release(name, entries, out)
             self._next_lane = (self._order.index(name) + 1) % len(self._order)
+
+    # -- changes while running -------------------------------------------------------------
+
+    def reconfigure(self, config: PolicyConfig, now: float) -> None:
+        """Switch to `config` without losing a request: queued and in-flight requests stay; new
+        thresholds, shares, batching and breaker knobs apply from the next decision. Lanes
+        cannot be added, removed or renamed, nor the KV block size or mode changed."""
+        self._now = now
+        if [lane.name for lane in config.lanes] != [lane.name for lane in self.config.lanes]:
+            raise ValueError("lanes cannot be added, removed or renamed while running")
+        old_kv, new_kv = self.config.kv, config.kv
+        if (old_kv.mode, old_kv.tokens_per_block) != (new_kv.mode, new_kv.tokens_per_block):
+            raise ValueError("kv.mode and kv.tokens_per_block cannot change while running")
+        self.config = config
+        for lane in config.lanes:
+            self.lanes[lane.name].reconfigure(lane)
+        self.breaker.config = config.breaker
+        self.predictor.config = config.predict
+        self.mirror.config = new_kv
+        self.counters["reconfigured"] += 1
 
     # -- departures and feedback -------------------------------------------------------------
 
@@ -470,7 +499,10 @@ class PolicyScheduler:
         return SchedulerStats(
             queued=len(self._queued),
             in_flight=len(self._in_flight),
-            max_queued=sum(q.config.max_queued for q in self.lanes.values()),
+            max_queued=min(
+                sum(q.config.max_queued for q in self.lanes.values()),
+                self.config.max_queued if self.config.max_queued is not None else 1 << 62,
+            ),
             max_in_flight=self.config.kv.max_in_flight,
             lanes=tuple(lanes),
             kv=KvStats(

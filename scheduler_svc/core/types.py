@@ -112,6 +112,7 @@ class Expired:
 
     request_id: str
     reason: ExpireReason
+    lane: str = ""
 
 
 Decision = Dispatch | Expired

@@ -18,11 +18,14 @@ from tritonclient.grpc import service_pb2_grpc as kv_grpc
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import Backend
+from scheduler_svc.backends.kvpoll import poll_kv, read_kv_blocks
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.types import Scheduler, Target
 from scheduler_svc.dispatcher import Dispatcher
-from scheduler_svc.metrics import MetricsServer
+from scheduler_svc.metrics import MetricsServer, SidecarMetrics
 from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.service import GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
@@ -37,15 +40,36 @@ SERVICES = (
 )
 
 
+def make_scheduler(cfg: SidecarConfig) -> Scheduler:
+    if cfg.queue.scheduler == "fifo":
+        return FifoScheduler(cfg.queue.max_queued, cfg.queue.max_in_flight, cfg.queue.retry_after_s)
+    return PolicyScheduler(cfg.policy_config())
+
+
+def other_backends(cfg: SidecarConfig) -> dict[Target, Backend]:
+    """The degrade target and the elastic pool, where configured (same engine contract)."""
+    out: dict[Target, Backend] = {}
+    for target, endpoint in ((Target.DEGRADE, cfg.degrade), (Target.ELASTIC, cfg.elastic)):
+        if endpoint is not None:
+            triton = cfg.triton.model_copy(
+                update={"url": endpoint.url, "engine_model": endpoint.engine_model}
+            )
+            out[target] = TritonBackend(triton)
+    return out
+
+
 class Sidecar:
     def __init__(self, cfg: SidecarConfig, backend: Backend | None = None) -> None:
         self.cfg = cfg
         self.backend = backend or TritonBackend(cfg.triton)
-        self.dispatcher = Dispatcher(
-            FifoScheduler(cfg.queue.max_queued, cfg.queue.max_in_flight, cfg.queue.retry_after_s)
-        )
+        self.others = other_backends(cfg)
+        self.dispatcher = Dispatcher(make_scheduler(cfg), metrics=SidecarMetrics())
         self.service = GenerationService(
-            cfg, load_tokenizer(cfg.model.tokenizer_dir), self.dispatcher, self.backend
+            cfg,
+            load_tokenizer(cfg.model.tokenizer_dir),
+            self.dispatcher,
+            self.backend,
+            self.others,
         )
         self.health = health.aio.HealthServicer()
         self.draining = False
@@ -54,6 +78,7 @@ class Sidecar:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         """Bind and start serving; return the port (useful when the config says 0)."""
@@ -81,6 +106,9 @@ class Sidecar:
         if self.port == 0:
             raise OSError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
         await self.backend.start()
+        for other in self.others.values():
+            await other.start()
+        await self._first_kv_reading()
         self.dispatcher.start()
         # Know the backend's state before the first call arrives (serving starts either way).
         self.service.backend_ready = await self.backend.ready()
@@ -90,8 +118,21 @@ class Sidecar:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
+        if self.cfg.triton.metrics_url is not None:
+            self._poller = asyncio.create_task(
+                poll_kv(
+                    self.dispatcher,
+                    self.cfg.triton.metrics_url,
+                    self.cfg.triton.engine_model,
+                    self.cfg.triton.kv_poll_interval_s,
+                    self.cfg.triton.connect_timeout_s,
+                ),
+                name="kv-poll",
+            )
         if server_cfg.metrics_port is not None:
-            self.metrics = MetricsServer(self.dispatcher, server_cfg.host, server_cfg.metrics_port)
+            self.metrics = MetricsServer(
+                self.dispatcher.metrics, server_cfg.host, server_cfg.metrics_port
+            )
         log.info(
             "sidecar ready",
             port=self.port,
@@ -100,6 +141,18 @@ class Sidecar:
             scheduler=self.dispatcher.scheduler.name,
         )
         return self.port
+
+    async def _first_kv_reading(self) -> None:
+        """Size the KV mirror from the engine before the first request, when it can be read."""
+        url = self.cfg.triton.metrics_url
+        if url is None or not isinstance(self.dispatcher.scheduler, PolicyScheduler):
+            return
+        counts = await read_kv_blocks(
+            url, self.cfg.triton.engine_model, self.cfg.triton.connect_timeout_s
+        )
+        if counts is not None:
+            self.dispatcher.scheduler.observe_kv(*counts, self.dispatcher.clock())
+        log.info("KV mirror sized", url=url, free_and_total=counts)
 
     async def _set_health(self, serving: bool) -> None:
         if serving == self._serving:
@@ -135,12 +188,15 @@ class Sidecar:
         await self._set_health(False)
         if self._server is not None:
             await self._server.stop(grace)
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        for task in (self._watcher, self._poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.dispatcher.close()
         await self.backend.close()
+        for other in self.others.values():
+            await other.close()
         if self.metrics is not None:
             self.metrics.close()
         log.info("stopped", finished=dict(self.service.outcomes))

@@ -51,7 +51,7 @@ def test_generate_unary_and_stream_agree_with_the_engine(
     assert whole.text == load_tokenizer().decode(direct, skip_special_tokens=True)
     assert whole.finish_reason == pb.FINISH_REASON_LENGTH
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(tokens(MIXED)), 12)
-    assert whole.lane == "fifo"
+    assert whole.lane == "hot"  # a short prompt, by the policy's default lanes
     assert (
         0 <= whole.timing.queue_ms <= whole.timing.time_to_first_token_ms <= whole.timing.total_ms
     )
@@ -287,7 +287,7 @@ def test_health_reflection_and_stats(sidecar: SidecarProcess) -> None:
         "grpc.health.v1.Health",
     } <= names
     stats = pb_grpc.AdminStub(channel).GetStats(pb.GetStatsRequest())
-    assert stats.backend_ready and stats.scheduler == "fifo"
+    assert stats.backend_ready and stats.scheduler == "policy"
     assert stats.accepted_total >= stats.finished_total["ok"] > 0
     assert stats.queued == 0 and stats.max_in_flight == 16
 

@@ -38,8 +38,11 @@ def eventually(check: Callable[[], bool], what: str, timeout_s: float = WAIT_S) 
 
 @pytest.fixture
 def narrow(triton: TritonServer, tmp_path: Path) -> Iterator[SidecarProcess]:
-    """A sidecar that dispatches one request at a time and lets two wait."""
-    config = {"queue": {"max_in_flight": 1, "max_queued": 2, "retry_after_s": 0.25}}
+    """A pass-through FIFO sidecar that dispatches one request at a time and lets two wait
+    (the policy's own behaviour under load is tested in test_policy_live.py)."""
+    config = {
+        "queue": {"scheduler": "fifo", "max_in_flight": 1, "max_queued": 2, "retry_after_s": 0.25}
+    }
     process = SidecarProcess(triton.grpc_url, tmp_path, config).start()
     yield process
     process.stop()

@@ -68,7 +68,7 @@ def test_deadlines_expire_queued_requests_and_set_the_wakeup() -> None:
     fifo.submit(req("hasty", deadline=0.5), 0.0)
     assert fifo.next_wakeup(0.1) == 0.5
     assert fifo.schedule(0.49) == []
-    assert fifo.schedule(0.5) == [Expired("hasty", ExpireReason.QUEUE_TIMEOUT)]
+    assert fifo.schedule(0.5) == [Expired("hasty", ExpireReason.QUEUE_TIMEOUT, "fifo")]
     assert fifo.next_wakeup(0.6) is None
     assert fifo.stats().queued == 1
 

@@ -89,7 +89,7 @@ def test_hot_timeout_without_a_fallback_rejects_with_a_reason() -> None:
     assert dispatched(policy.schedule(0.05)) == ["running"]
     policy.submit(req("waiting", 100), 0.06)
     assert policy.schedule(0.159) == []
-    assert policy.schedule(0.16) == [Expired("waiting", ExpireReason.NO_FALLBACK)]
+    assert policy.schedule(0.16) == [Expired("waiting", ExpireReason.NO_FALLBACK, "hot")]
 
 
 def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:
@@ -121,7 +121,7 @@ def test_warm_waits_again_twice_then_is_rejected() -> None:
     assert policy.schedule(0.6) == [] and policy.schedule(1.1) == []
     counters = dict(policy.stats().counters)
     assert counters["requeued"] == 2
-    assert policy.schedule(1.6) == [Expired("w", ExpireReason.REQUEUE_LIMIT)]
+    assert policy.schedule(1.6) == [Expired("w", ExpireReason.REQUEUE_LIMIT, "warm")]
 
 
 def test_cold_goes_to_the_elastic_pool_or_keeps_waiting() -> None:
