@@ -83,7 +83,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return nested
 
 
-async def _serve_until_signal(cfg: SidecarConfig, on_ready: str = "") -> None:
+async def _serve_until_signal(
+    cfg: SidecarConfig,
+    on_ready: str = "",
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> None:
     from scheduler_svc.server.app import Sidecar  # noqa: PLC0415 - keeps `triton` light
 
     sidecar = Sidecar(cfg)
@@ -91,6 +96,15 @@ async def _serve_until_signal(cfg: SidecarConfig, on_ready: str = "") -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+    if config_path is not None:
+
+        def reload() -> None:
+            task = loop.create_task(sidecar.controls.reload(config_path, overrides or {}))
+            reloads.add(task)  # keep a reference until it is done
+            task.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
     port = await sidecar.start()
     if on_ready:
         print(on_ready.format(port=port), flush=True)
@@ -105,9 +119,10 @@ async def _serve_until_signal(cfg: SidecarConfig, on_ready: str = "") -> None:
 def _serve(args: argparse.Namespace) -> int:
     from scheduler_svc import logs  # noqa: PLC0415
 
-    cfg = load_config(args.config, _overrides(args))
+    overrides = _overrides(args)
+    cfg = load_config(args.config, overrides)
     logs.configure(cfg.server.log_level)
-    asyncio.run(_serve_until_signal(cfg))
+    asyncio.run(_serve_until_signal(cfg, config_path=args.config, overrides=overrides))
     return 0
 
 
@@ -140,7 +155,11 @@ def _run(args: argparse.Namespace) -> int:
                 "(scheduler.v1, KServe v2, health, reflection)\n"
                 "Ctrl-C stops both."
             )
-            asyncio.run(_serve_until_signal(cfg, on_ready=ready))
+            asyncio.run(
+                _serve_until_signal(
+                    cfg, on_ready=ready, config_path=args.config, overrides=overrides
+                )
+            )
         finally:
             server.stop()
     return 0

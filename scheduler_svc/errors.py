@@ -20,6 +20,7 @@ SchedulerSvcError
     ├── DeadlineError             the client's deadline passed           DEADLINE_EXCEEDED
     ├── BackendUnavailableError   Triton cannot be reached / not ready   UNAVAILABLE
     ├── BackendFailedError        Triton failed the request              UNAVAILABLE
+    ├── BackendRefusedError       Triton refused an admin change         FAILED_PRECONDITION
     └── ShuttingDownError         the sidecar is draining                UNAVAILABLE
 """
 
@@ -128,6 +129,10 @@ class BackendFailedError(RequestError):
     type = "backend_failed"
 
 
+class BackendRefusedError(RequestError):
+    type = "backend_refused"
+
+
 class ShuttingDownError(RequestError):
     type = "shutting_down"
 
@@ -141,6 +146,7 @@ GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
     DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
     BackendUnavailableError: grpc.StatusCode.UNAVAILABLE,
     BackendFailedError: grpc.StatusCode.UNAVAILABLE,
+    BackendRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
     ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -183,6 +189,18 @@ def from_backend_status(code: grpc.StatusCode, details: str) -> RequestError:
     if cls is DeadlineError:
         return cls("the deadline passed while Triton was generating")
     return cls(f"Triton: {details}")
+
+
+def from_repository_status(code: grpc.StatusCode, details: str) -> RequestError:
+    """Classify a failed repository call (load, unload): Triton answers INVALID_ARGUMENT or
+    UNAVAILABLE when it refuses the change itself (unknown model, model control disabled)."""
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.NOT_FOUND,
+    ):
+        return BackendRefusedError(f"Triton: {details}")
+    return from_backend_status(code, details)
 
 
 def from_backend_message(message: str) -> RequestError:

@@ -29,6 +29,7 @@ from scheduler_svc.errors import (
     OverloadedError,
     QueueTimeoutError,
     RequestError,
+    ShuttingDownError,
 )
 from scheduler_svc.text import TextStream
 
@@ -108,6 +109,7 @@ class GenerationService:
         # elastic pool.
         self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
         self.backend_ready = False
+        self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
 
     def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
@@ -154,6 +156,8 @@ class GenerationService:
         max_tokens = self._check(params)
         prompt = self._prompt_ids(params)
         run.prompt_tokens = len(prompt)
+        if self.draining:
+            raise ShuttingDownError("the sidecar is draining; retry on another instance")
         if not self.backend_ready:
             raise BackendUnavailableError("the backend is not ready; retry shortly")
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s

@@ -19,7 +19,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.config import TritonConfig
-from scheduler_svc.errors import BackendFailedError, from_backend_message, from_backend_status
+from scheduler_svc.errors import (
+    BackendFailedError,
+    from_backend_message,
+    from_backend_status,
+    from_repository_status,
+)
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -115,6 +120,36 @@ class TritonBackend:
             return bool(model.ready)
         except grpc.aio.AioRpcError:
             return False
+
+    # -- the model repository (Admin passes these through) ----------------------------------
+
+    async def repository_index(self) -> list[tuple[str, str, str, str]]:
+        """(name, version, state, reason) of every model in Triton's repository."""
+        try:
+            index = await self.stub.RepositoryIndex(
+                service_pb2.RepositoryIndexRequest(), timeout=self.cfg.connect_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_backend_status(exc.code(), exc.details() or "") from None
+        return [(m.name, m.version, m.state, m.reason) for m in index.models]
+
+    async def load_model(self, name: str) -> None:
+        await self._repository_call(
+            self.stub.RepositoryModelLoad, service_pb2.RepositoryModelLoadRequest(model_name=name)
+        )
+
+    async def unload_model(self, name: str) -> None:
+        await self._repository_call(
+            self.stub.RepositoryModelUnload,
+            service_pb2.RepositoryModelUnloadRequest(model_name=name),
+        )
+
+    async def _repository_call(self, method: Any, request: Any) -> None:
+        try:
+            # Loading a large engine takes a while: allow minutes, not the readiness timeout.
+            await method(request, timeout=600)
+        except grpc.aio.AioRpcError as exc:
+            raise from_repository_status(exc.code(), exc.details() or "") from None
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
         message = build_request(self.cfg.engine_model, request)

@@ -27,6 +27,7 @@ from scheduler_svc.core.types import Scheduler, Target
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.metrics import MetricsServer, SidecarMetrics
 from scheduler_svc.server import kserve, scheduler_v1
+from scheduler_svc.server.controls import SidecarControls
 from scheduler_svc.service import GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -72,7 +73,7 @@ class Sidecar:
             self.others,
         )
         self.health = health.aio.HealthServicer()
-        self.draining = False
+        self.controls = SidecarControls(cfg, self.dispatcher, self.service, self._on_draining)
         self.metrics: MetricsServer | None = None
         self._serving: bool | None = None
         self.port = 0
@@ -93,10 +94,10 @@ class Sidecar:
             (scheduler_v1.SchedulerFront(self.service).handler(),)
         )
         pb_grpc.add_AdminServicer_to_server(  # type: ignore[no-untyped-call]
-            scheduler_v1.AdminFront(self.service, self.dispatcher), self._server
+            scheduler_v1.AdminFront(self.service, self.dispatcher, self.controls), self._server
         )
         kv_grpc.add_GRPCInferenceServiceServicer_to_server(
-            kserve.KServeFront(self.service, lambda: self.draining), self._server
+            kserve.KServeFront(self.service, lambda: self.service.draining), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -154,6 +155,9 @@ class Sidecar:
             self.dispatcher.scheduler.observe_kv(*counts, self.dispatcher.clock())
         log.info("KV mirror sized", url=url, free_and_total=counts)
 
+    async def _on_draining(self, draining: bool) -> None:
+        await self._set_health(self.service.backend_ready and not draining)
+
     async def _set_health(self, serving: bool) -> None:
         if serving == self._serving:
             return  # watchers are told about changes only
@@ -173,7 +177,7 @@ class Sidecar:
             if ready != self.service.backend_ready:
                 log.info("backend readiness changed", ready=ready, triton=self.cfg.triton.url)
             self.service.backend_ready = ready
-            await self._set_health(ready and not self.draining)
+            await self._set_health(ready and not self.service.draining)
             await asyncio.sleep(self.cfg.triton.health_interval_s)
 
     async def wait(self) -> None:
@@ -183,7 +187,7 @@ class Sidecar:
     async def drain(self, grace_s: float | None = None) -> None:
         """Refuse new calls, give in-flight ones `grace_s` to finish, then stop everything."""
         grace = self.cfg.server.drain_grace_s if grace_s is None else grace_s
-        self.draining = True
+        self.service.draining = True
         log.info("draining", grace_s=grace, in_flight=self.dispatcher.stats().in_flight)
         await self._set_health(False)
         if self._server is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -131,12 +132,18 @@ class SchedulerFront:
 
 
 class AdminFront(pb_grpc.AdminServicer):
-    def __init__(self, service: GenerationService, dispatcher: Dispatcher) -> None:
+    """Operator view and controls. Changes go through the dispatcher's owner task."""
+
+    def __init__(
+        self, service: GenerationService, dispatcher: Dispatcher, controls: Controls
+    ) -> None:
         self.service = service
         self.dispatcher = dispatcher
+        self.controls = controls
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:
         stats = self.dispatcher.stats()
+        kv = stats.kv
         return pb.Stats(
             queued=stats.queued,
             in_flight=stats.in_flight,
@@ -147,4 +154,102 @@ class AdminFront(pb_grpc.AdminServicer):
             finished_total=dict(self.service.outcomes),
             backend_ready=self.service.backend_ready,
             scheduler=self.dispatcher.scheduler.name,
+            lanes=[
+                pb.LaneStats(
+                    name=lane.name,
+                    queued=lane.queued,
+                    max_queued=lane.max_queued,
+                    oldest_wait_ms=lane.oldest_wait_s * 1000,
+                    max_wait_ms=(lane.max_wait_s or 0) * 1000,
+                )
+                for lane in stats.lanes
+            ],
+            kv=None
+            if kv is None
+            else pb.KvMirror(
+                total_blocks=kv.total_blocks,
+                free_blocks=kv.free_blocks,
+                reserved_blocks=kv.reserved_blocks,
+                external_blocks=kv.external_blocks,
+                tokens_per_block=kv.tokens_per_block,
+                fragmentation=kv.fragmentation,
+                stale=kv.stale,
+            ),
+            breaker_open=stats.breaker_open,
+            backends=[
+                pb.BackendHealth(role=role, url=url, ready=ready)
+                for role, url, ready in await self.controls.backend_health()
+            ],
+            policy_events=dict(stats.counters),
+            draining=self.service.draining,
+            leaked_reservations_total=self.dispatcher.leaked,
         )
+
+    async def UpdatePolicy(
+        self, request: pb.UpdatePolicyRequest, context: Context
+    ) -> pb.UpdatePolicyResponse:
+        try:
+            policy = await self.controls.update_policy(request.policy_json, request.dry_run)
+        except RequestError as exc:
+            await abort(context, exc)
+        return pb.UpdatePolicyResponse(policy_json=policy)
+
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
+        await self.controls.set_draining(True)
+        stats = self.dispatcher.stats()
+        return pb.DrainResponse(queued=stats.queued, in_flight=stats.in_flight)
+
+    async def Resume(self, request: pb.ResumeRequest, context: Context) -> pb.ResumeResponse:
+        await self.controls.set_draining(False)
+        return pb.ResumeResponse()
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Context
+    ) -> pb.ListModelsResponse:
+        try:
+            models = await self.controls.repository_index()
+        except RequestError as exc:
+            await abort(context, exc)
+        return pb.ListModelsResponse(
+            models=[pb.ModelEntry(name=n, version=v, state=st, reason=r) for n, v, st, r in models]
+        )
+
+    async def LoadModel(
+        self, request: pb.LoadModelRequest, context: Context
+    ) -> pb.LoadModelResponse:
+        try:
+            await self.controls.load_model(_model_name(request.name))
+        except RequestError as exc:
+            await abort(context, exc)
+        return pb.LoadModelResponse()
+
+    async def UnloadModel(
+        self, request: pb.UnloadModelRequest, context: Context
+    ) -> pb.UnloadModelResponse:
+        try:
+            await self.controls.unload_model(_model_name(request.name))
+        except RequestError as exc:
+            await abort(context, exc)
+        return pb.UnloadModelResponse()
+
+
+def _model_name(name: str) -> str:
+    if not name:
+        raise BadRequestError("name: empty (the Triton model to load or unload)")
+    return name
+
+
+class Controls(Protocol):
+    """What the admin front may change; the sidecar process implements it."""
+
+    async def backend_health(self) -> list[tuple[str, str, bool]]: ...
+
+    async def update_policy(self, policy_json: str, dry_run: bool) -> str: ...
+
+    async def set_draining(self, draining: bool) -> None: ...
+
+    async def repository_index(self) -> list[tuple[str, str, str, str]]: ...
+
+    async def load_model(self, name: str) -> None: ...
+
+    async def unload_model(self, name: str) -> None: ...

@@ -1,0 +1,112 @@
+"""What an operator may change while the sidecar runs: the policy, draining, Triton's models.
+
+Policy changes are validated here (ValueError naming the field becomes INVALID_ARGUMENT) and
+applied by the dispatcher's owner task, so no request is lost or decided under a half-applied
+policy. A config file reloaded on SIGHUP goes the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.config import SidecarConfig, load_config
+from scheduler_svc.core.config import PolicyConfig, to_mapping
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.types import Scheduler, Target
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.errors import BackendUnavailableError, BadRequestError, ConfigError
+from scheduler_svc.service import GenerationService
+
+log = structlog.get_logger("scheduler_svc.admin")
+
+
+class SidecarControls:
+    def __init__(
+        self,
+        cfg: SidecarConfig,
+        dispatcher: Dispatcher,
+        service: GenerationService,
+        on_draining: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self.cfg = cfg
+        self.dispatcher = dispatcher
+        self.service = service
+        self.on_draining = on_draining
+
+    def _policy(self) -> PolicyScheduler:
+        scheduler = self.dispatcher.scheduler
+        if not isinstance(scheduler, PolicyScheduler):
+            raise BadRequestError("queue.scheduler is fifo: there is no policy to update")
+        return scheduler
+
+    async def update_policy(self, policy_json: str, dry_run: bool) -> str:
+        try:
+            changes = json.loads(policy_json or "{}")
+        except json.JSONDecodeError as exc:
+            raise BadRequestError(f"policy_json: not JSON ({exc.msg} at {exc.pos})") from None
+        if not isinstance(changes, dict):
+            raise BadRequestError("policy_json: must be a JSON object")
+        current = self._policy().config
+        try:
+            new = self.cfg.policy_override(current, changes)
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
+        if not dry_run:
+            await self.apply(new)
+        return json.dumps(to_mapping(new), sort_keys=True)
+
+    async def apply(self, new: PolicyConfig) -> None:
+        def change(scheduler: Scheduler, now: float) -> None:
+            assert isinstance(scheduler, PolicyScheduler)
+            scheduler.reconfigure(new, now)
+
+        try:
+            await self.dispatcher.call(change)
+        except ValueError as exc:
+            raise BadRequestError(f"policy: {exc}") from None
+        log.info("policy updated", policy=to_mapping(new))
+
+    async def reload(self, path: str | Path, overrides: dict[str, Any]) -> None:
+        """SIGHUP: read the config file again and apply its policy section (other sections
+        need a restart, and are left as they are)."""
+        try:
+            fresh = load_config(path, overrides)
+            self._policy()
+            await self.apply(fresh.policy_config())
+        except (ConfigError, BadRequestError) as exc:
+            log.error("config reload refused; the running policy stays", error=str(exc))
+
+    async def set_draining(self, draining: bool) -> None:
+        self.service.draining = draining
+        log.info("draining" if draining else "resumed", by="admin")
+        await self.on_draining(draining)
+
+    async def backend_health(self) -> list[tuple[str, str, bool]]:
+        out = [("primary", self.cfg.triton.url, self.service.backend_ready)]
+        for target, backend in self.service.backends.items():
+            if target is not Target.PRIMARY and isinstance(backend, TritonBackend):
+                out.append((target.value, backend.cfg.url, await backend.ready()))
+        return out
+
+    def _triton(self) -> TritonBackend:
+        backend = self.service.backend
+        if not isinstance(backend, TritonBackend):
+            raise BackendUnavailableError("the primary backend is not a Triton server")
+        return backend
+
+    async def repository_index(self) -> list[tuple[str, str, str, str]]:
+        return await self._triton().repository_index()
+
+    async def load_model(self, name: str) -> None:
+        await self._triton().load_model(name)
+        log.info("model loaded", model=name, by="admin")
+
+    async def unload_model(self, name: str) -> None:
+        await self._triton().unload_model(name)
+        log.info("model unloaded", model=name, by="admin")
