@@ -20,6 +20,8 @@ import structlog
 from tokenizers import Tokenizer
 
 from scheduler_svc.backends.base import Backend, GenerationInput
+from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.batchcall import BatchCalls
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.types import Dispatch, Expired, ExpireReason, Request, Target, Urgency
 from scheduler_svc.dispatcher import Dispatcher, Ticket
@@ -108,6 +110,11 @@ class GenerationService:
         # Where the core may send a request besides the primary: the degrade target, the
         # elastic pool.
         self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
+        self.batch_calls = (
+            BatchCalls(backend)
+            if cfg.triton.dispatch == "batch" and isinstance(backend, TritonBackend)
+            else None
+        )
         self.backend_ready = False
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
@@ -248,7 +255,17 @@ class GenerationService:
         )
         text = TextStream(self.tokenizer, params.stop)
         reported = 0
-        async with contextlib.aclosing(backend.stream(backend_input)) as tokens:
+        batch = decision.batch
+        if (
+            self.batch_calls is not None
+            and decision.target is Target.PRIMARY
+            and batch
+            and batch.size > 1
+        ):
+            source = self.batch_calls.rows(batch, backend_input)
+        else:
+            source = backend.stream(backend_input)
+        async with contextlib.aclosing(source) as tokens:
             async for ids in tokens:
                 run.first_token_at = run.first_token_at or time.monotonic()
                 delta = text.push(ids)

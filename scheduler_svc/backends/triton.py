@@ -9,6 +9,7 @@ types here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -58,6 +59,46 @@ def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferReq
         _tensor(request, "runtime_top_p", "FP32", np.asarray([[top_p]], dtype="<f4"))
         _tensor(request, "random_seed", "UINT64", np.asarray([[inp.seed]], dtype="<u8"))
     return request
+
+
+def build_batch_request(
+    model: str, request_id: str, rows: list[GenerationInput]
+) -> service_pb2.ModelInferRequest:
+    """One ModelInferRequest carrying every row: `input_ids` padded with each row's pad id to
+    the longest prompt, `input_lengths` telling the engine where each row really ends."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    width = max(len(r.prompt_ids) for r in rows)
+    ids = np.asarray(
+        [list(r.prompt_ids) + [r.pad_id] * (width - len(r.prompt_ids)) for r in rows], dtype="<i4"
+    )
+
+    def column(values: list[Any], dtype: Any) -> npt.NDArray[Any]:
+        return np.asarray([[v] for v in values], dtype=dtype)
+
+    _tensor(request, "input_ids", "INT32", ids)
+    _tensor(request, "input_lengths", "INT32", column([len(r.prompt_ids) for r in rows], "<i4"))
+    _tensor(request, "request_output_len", "INT32", column([r.max_tokens for r in rows], "<i4"))
+    _tensor(request, "end_id", "INT32", column([r.end_id for r in rows], "<i4"))
+    _tensor(request, "pad_id", "INT32", column([r.pad_id for r in rows], "<i4"))
+    # Every input carries the batch dimension, `streaming` included.
+    _tensor(request, "streaming", "BOOL", column([True] * len(rows), np.bool_))
+    if any(r.temperature > 0 for r in rows):
+        _tensor(request, "temperature", "FP32", column([r.temperature for r in rows], "<f4"))
+        _tensor(request, "runtime_top_k", "INT32", column([r.top_k for r in rows], "<i4"))
+        top_p = [r.top_p if r.top_p > 0 or r.temperature == 0 else 1.0 for r in rows]
+        _tensor(request, "runtime_top_p", "FP32", column(top_p, "<f4"))
+        _tensor(request, "random_seed", "UINT64", column([r.seed for r in rows], "<u8"))
+    return request
+
+
+def batch_index(response: service_pb2.ModelInferResponse) -> int:
+    """Which row of a multi-row request a response belongs to (0 when absent)."""
+    for index, tensor in enumerate(response.outputs):
+        if tensor.name == "batch_index":
+            if index < len(response.raw_output_contents):
+                return int(np.frombuffer(response.raw_output_contents[index], dtype="<i4")[0])
+            return int(tensor.contents.int_contents[0])
+    return 0
 
 
 def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
@@ -153,13 +194,29 @@ class TritonBackend:
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
         message = build_request(self.cfg.engine_model, request)
+        async with contextlib.aclosing(self._responses(message, request.timeout_s)) as answers:
+            async for _, ids in answers:
+                yield ids
+
+    async def stream_batch(
+        self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
+    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+        """Every row in one request; yield (row, new ids) as the engine streams them."""
+        message = build_batch_request(self.cfg.engine_model, request_id, rows)
+        async with contextlib.aclosing(self._responses(message, timeout_s)) as answers:
+            async for row, ids in answers:
+                yield row, ids
+
+    async def _responses(
+        self, message: service_pb2.ModelInferRequest, timeout_s: float | None
+    ) -> AsyncGenerator[tuple[int, list[int]], None]:
         done = asyncio.Event()
 
         async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
             yield message
             await done.wait()  # keep our side open until the answer is complete
 
-        call = self.stub.ModelStreamInfer(requests(), timeout=request.timeout_s)
+        call = self.stub.ModelStreamInfer(requests(), timeout=timeout_s)
         finished = False
         try:
             async for response in call:
@@ -169,7 +226,7 @@ class TritonBackend:
                 ids = output_ids(infer)
                 final = is_final(infer)
                 if ids:
-                    yield ids
+                    yield batch_index(infer), ids
                 if final:
                     finished = True
                     return

@@ -8,8 +8,9 @@ deadlines, aging), settles KV growth owed to requests that outran their predicti
 buckets holding promoted requests oldest-first (if one cannot fit, nothing else goes: the freed
 capacity is kept for it), and finally shares what is left between lanes by deficit round robin
 on tokens (prompt + predicted output), work-conserving: a lane with nothing ready lends its share.
-A bucket is dispatched as the largest prefix, in fair order, that the KV mirror and the
-backend's sequence limit can hold.
+A bucket goes whole (up to its lane's max batch) once the KV mirror and the backend's sequence
+limit can hold it; it goes in part only when nothing is running, or when it holds a promoted
+request.
 
 Invariants (tests/unit/test_policy.py's state machine):
 - every submitted request ends in exactly one of: rejected at submission, expired, cancelled,
@@ -377,8 +378,12 @@ class PolicyScheduler:
                 share = quantum * self.lanes[other].config.share
                 cost = sum(e.cost_tokens for e in head.members)
                 self._deficit[other] = min(self._deficit[other] + rounds * share, share + cost)
-            entries = self._fits(heads[name], self.lanes[name].config.max_batch)
-            if not entries:
+            head, max_batch = heads[name], self.lanes[name].config.max_batch
+            entries = self._fits(head, max_batch)
+            whole = min(len(head.members), max_batch)
+            if not entries or (len(entries) < whole and self._rows_in_flight > 0):
+                # Keep a batch whole while running requests will free room for all of it; go
+                # in part only when nothing runs (waiting could not help).
                 blocked.add(name)
                 continue
             self._deficit[name] -= self._release(name, entries, out)

@@ -1,0 +1,311 @@
+"""The policy in the live request path: real Triton, real engine, real sidecar."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.triton.launcher import TritonServer
+from tests.integration.prompts import STORY, tokens_of_length
+from tests.integration.sidecar import SidecarProcess
+from tests.integration.tritonio import engine_metric, scrape, wait_engine_idle
+
+WAIT_S = 60.0
+TEPID = {
+    "name": "tepid",
+    "min_prompt_tokens": 0,
+    "share": 1,
+    "max_batch": 1,
+    "max_queued": 1,
+    "queue_timeout_s": None,
+    "on_timeout": "requeue",
+}
+ALL_TEPID = {"watch_lane": "tepid", "demote_lane": "tepid", "to_lane": "tepid"}
+PATIENT_HOT = {"lanes": [{"name": "hot", "queue_timeout_s": 30, "max_wait_s": 30}]}
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def text_of(n: int) -> str:
+    return load_tokenizer().decode(tokens_of_length(n))
+
+
+def start(server: TritonServer, tmp_path: Path, config: dict[str, Any]) -> SidecarProcess:
+    triton = {"metrics_url": server.metrics_url, "kv_poll_interval_s": 0.2}
+    config = {**config, "triton": {**triton, **config.get("triton", {})}}
+    return SidecarProcess(server.grpc_url, tmp_path, config).start()
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
+    """Start sidecars with the policy; at the end, none may keep a KV reservation."""
+    started: list[SidecarProcess] = []
+
+    def make(server: TritonServer, config: dict[str, Any], name: str = "s") -> SidecarProcess:
+        folder = tmp_path / name
+        folder.mkdir()
+        process = start(server, folder, config)
+        started.append(process)
+        return process
+
+    yield make
+    try:
+        for process in started:
+            eventually(
+                lambda p=process: stats(p).kv.reserved_blocks == 0 and stats(p).in_flight == 0,
+                "every reservation is released",
+                timeout_s=20,
+            )
+    finally:
+        for process in started:
+            process.stop()
+
+
+def admin(sidecar: SidecarProcess) -> pb_grpc.AdminStub:
+    return pb_grpc.AdminStub(sidecar.channel())
+
+
+def stats(sidecar: SidecarProcess) -> pb.Stats:
+    return admin(sidecar).GetStats(pb.GetStatsRequest())
+
+
+def ask(sidecar: SidecarProcess, prompt: str, max_tokens: int, **kw: Any) -> pb.GenerateResponse:
+    return sidecar.scheduler().Generate(
+        pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **kw), timeout=WAIT_S
+    )
+
+
+def in_threads(jobs: list[Callable[[], Any]]) -> list[Any]:
+    results: list[Any] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    return results
+
+
+def test_hot_requests_overtake_queued_cold_ones(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {"queue": {"max_in_flight": 1}, "policy": PATIENT_HOT})
+    cold_prompt = text_of(1100)
+    done: list[str] = []
+
+    def job(name: str, prompt: str, max_tokens: int) -> Callable[[], None]:
+        def run() -> None:
+            ask(sidecar, prompt, max_tokens)
+            done.append(name)
+
+        return run
+
+    threads = [threading.Thread(target=job(f"cold{i}", cold_prompt, 30)) for i in range(3)]
+    for t in threads:
+        t.start()
+    eventually(lambda: stats(sidecar).queued == 2, "two cold requests wait behind the first")
+    assert [lane.queued for lane in stats(sidecar).lanes if lane.name == "cold"] == [2]
+    hot = threading.Thread(target=job("hot", "What time is it?", 4))
+    hot.start()
+    for t in [*threads, hot]:
+        t.join(WAIT_S)
+    assert done[0] == "cold0" or done[0].startswith("cold")
+    assert done.index("hot") == 1, f"finishing order {done}"  # right after the running one
+
+
+def test_update_policy_applies_from_the_next_batch(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {"policy": PATIENT_HOT})
+
+    def batches() -> int:
+        return int(stats(sidecar).policy_events["batches"])
+
+    def four_at_once() -> None:
+        results = in_threads([lambda: ask(sidecar, "Same short question?", 2)] * 4)
+        assert all(isinstance(r, pb.GenerateResponse) for r in results), results
+
+    before = batches()
+    four_at_once()
+    assert batches() - before == 1  # one bucket of four (released after its 50 ms)
+    stub = admin(sidecar)
+    dry = stub.UpdatePolicy(
+        pb.UpdatePolicyRequest(
+            policy_json='{"lanes": [{"name": "hot", "max_batch": 1}]}', dry_run=True
+        )
+    )
+    assert json.loads(dry.policy_json)["lanes"][0]["max_batch"] == 1
+    before = batches()
+    four_at_once()
+    assert batches() - before == 1  # a dry run changes nothing
+    applied = stub.UpdatePolicy(
+        pb.UpdatePolicyRequest(policy_json='{"lanes": [{"name": "hot", "max_batch": 1}]}')
+    )
+    assert json.loads(applied.policy_json)["lanes"][1]["max_batch"] == 32  # warm untouched
+    before = batches()
+    four_at_once()
+    assert batches() - before == 4
+    for bad, message in [
+        ("{not json", "not JSON"),
+        ('{"lanes": [{"name": "hot", "share": 3}]}', "policy.lanes[0].share"),
+        (json.dumps({"lanes": [TEPID], "breaker": ALL_TEPID}), "renamed"),
+    ]:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.UpdatePolicy(pb.UpdatePolicyRequest(policy_json=bad))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in caught.value.details()
+
+
+def test_batch_mode_keeps_the_length_ratio_inside_a_static_engine(
+    variants: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    """Six rows of two lengths, sent together. In batch mode the policy's two buckets reach the
+    static engine as two requests, so the engine pads within the 1.5 ratio; a pass-through
+    FIFO lets the engine batch all six together and pad the short rows to the long ones."""
+    short, long = text_of(20), text_of(200)
+    engine = "engine_static"
+
+    def padding_of(config: dict[str, Any], name: str) -> tuple[float, float]:
+        sidecar = sidecar_factory(variants, {"triton": {"engine_model": engine}, **config}, name)
+        before = scrape(variants.metrics_url)
+        jobs = [lambda p=p: ask(sidecar, p, 3) for p in [short, long] * 3]
+        results = in_threads(jobs)
+        assert all(isinstance(r, pb.GenerateResponse) for r in results), results
+        wait_engine_idle(variants.metrics_url, engine)
+        after = scrape(variants.metrics_url)
+
+        def delta(name: str, **labels: str) -> float:
+            return engine_metric(after, name, engine, **labels) - engine_metric(
+                before, name, engine, **labels
+            )
+
+        processed = delta("scheduler_svc_engine_tokens_total", phase="context", kind="processed")
+        useful = delta("scheduler_svc_engine_tokens_total", phase="context", kind="useful")
+        requests = delta("nv_inference_request_success_total")
+        return 1 - useful / processed, requests
+
+    # A static engine runs one batch at a time: the sidecar keeps one batch in flight (three
+    # rows here) so the next bucket reaches the engine on its own.
+    policy_padding, policy_requests = padding_of(
+        {
+            "triton": {"engine_model": engine, "dispatch": "batch"},
+            "queue": {"max_in_flight": 3},
+            # a bucket waits up to 0.5 s for its rows, so six threads' requests surely meet
+            "policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]},
+        },
+        "policy",
+    )
+    fifo_padding, _ = padding_of(
+        {"queue": {"scheduler": "fifo"}, "triton": {"engine_model": engine}}, "fifo"
+    )
+    assert policy_requests == 2  # one multi-row request per bucket
+    assert policy_padding <= 1 - 1 / 1.5  # the ratio bound, as the engine counted it
+    assert fifo_padding > policy_padding
+
+
+def test_the_breaker_opens_under_a_hot_backlog_and_closes_after(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    policy = {**PATIENT_HOT, "breaker": {"open_above": 3, "close_below": 1, "min_open_s": 0.2}}
+    sidecar = sidecar_factory(triton, {"queue": {"max_in_flight": 1}, "policy": policy})
+    blocker = threading.Thread(target=ask, args=(sidecar, STORY, 60))
+    blocker.start()
+    eventually(lambda: stats(sidecar).in_flight == 1, "a long request runs")
+    hot = [threading.Thread(target=ask, args=(sidecar, f"Question {i}?", 2)) for i in range(5)]
+    for t in hot:
+        t.start()
+    eventually(lambda: stats(sidecar).breaker_open, "the breaker opens")
+    for t in [blocker, *hot]:
+        t.join(WAIT_S)
+    eventually(lambda: not stats(sidecar).breaker_open, "the breaker closes", timeout_s=10)
+    assert stats(sidecar).policy_events["demoted"] == 0  # no warm traffic was there to demote
+
+
+def test_a_cancelled_stream_releases_its_reservation_and_the_mirror_agrees_at_rest(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {})
+    call = sidecar.scheduler().GenerateStream(pb.GenerateRequest(prompt=STORY, max_tokens=500))
+    for received, _ in enumerate(call, start=1):
+        if received == 2:
+            assert stats(sidecar).kv.reserved_blocks > 0
+            call.cancel()
+            break
+    eventually(lambda: stats(sidecar).kv.reserved_blocks == 0, "the reservation is released")
+    engine = wait_engine_idle(triton.metrics_url, "tensorrt_llm")
+
+    def agrees() -> bool:
+        kv = stats(sidecar).kv
+        return (kv.total_blocks, kv.free_blocks, kv.external_blocks, kv.stale) == (
+            engine["max"],
+            engine["free"],
+            0,
+            False,
+        )
+
+    eventually(agrees, "the KV mirror agrees with the engine's counts at rest", timeout_s=10)
+    assert stats(sidecar).in_flight == 0
+
+
+def test_drain_refuses_new_work_and_resume_takes_it_again(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {})
+    health = health_pb2_grpc.HealthStub(sidecar.channel())
+    drained = admin(sidecar).Drain(pb.DrainRequest())
+    assert drained.in_flight == 0 and stats(sidecar).draining
+    with pytest.raises(grpc.RpcError) as caught:
+        ask(sidecar, "Anyone there?", 2)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in caught.value.details()
+    status = health.Check(health_pb2.HealthCheckRequest()).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    admin(sidecar).Resume(pb.ResumeRequest())
+    eventually(
+        lambda: (
+            health.Check(health_pb2.HealthCheckRequest()).status
+            == health_pb2.HealthCheckResponse.SERVING
+        ),
+        "health says SERVING again",
+    )
+    assert ask(sidecar, "Anyone there?", 2).usage.completion_tokens == 2
+
+
+def test_the_model_repository_is_reachable_through_admin(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {})
+    models = {m.name: m.state for m in admin(sidecar).ListModels(pb.ListModelsRequest()).models}
+    assert models["tensorrt_llm"] == "READY" and models["ensemble"] == "READY"
+    with pytest.raises(grpc.RpcError) as caught:
+        admin(sidecar).UnloadModel(pb.UnloadModelRequest(name="tensorrt_llm"))
+    # The shared test Triton runs without explicit model control: Triton refuses, clearly.
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+    assert "Triton" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        admin(sidecar).LoadModel(pb.LoadModelRequest(name=""))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
