@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler_svc.core.policy import EVENTS
 from scheduler_svc.core.types import BatchInfo, SchedulerStats
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -96,6 +97,22 @@ class SidecarMetrics:
         self.admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.registry.register(_StateCollector(self))
 
+    def init_lanes(self, lanes: list[str]) -> None:
+        """Export every per-lane series from the start (at zero), so dashboards and alerts
+        see the series before the first request of a lane."""
+        for lane in lanes:
+            for histogram in (
+                self.queue_wait,
+                self.ttft,
+                self.latency,
+                self.padding,
+                self.utilization,
+            ):
+                histogram.labels(lane)
+            self.requests.labels(lane, "ok")
+            for reason in sorted(INTERRUPTED):
+                self.interrupted.labels(lane, reason)
+
     def observe_wait(self, lane: str, wait_s: float) -> None:
         self.queue_wait.labels(lane).observe(max(0.0, wait_s))
 
@@ -151,8 +168,9 @@ class _StateCollector(Collector):
             "promoted, mispredicted, elastic, batches, cancelled, reconfigured.",
             labels=["event"],
         )
-        for name, count in stats.counters:
-            events.add_metric([name], count)
+        counts = dict(stats.counters)
+        for name in sorted(set(EVENTS) | set(counts)):
+            events.add_metric([name], counts.get(name, 0))
         yield events
 
 

@@ -51,6 +51,27 @@ from scheduler_svc.core.types import (
     Target,
 )
 
+# Every event the policy counts in `stats().counters` (a metric's label values).
+EVENTS = (
+    "batches",
+    "promoted",
+    "demoted",
+    "requeued",
+    "mispredicted",
+    "elastic",
+    "degraded_backend",
+    "degraded_max_tokens",
+    "expired_queue_timeout",
+    "expired_no_fallback",
+    "expired_requeue_limit",
+    "rejected_queue_full",
+    "rejected_too_large",
+    "rejected_duplicate_request_id",
+    "rejected_unknown_lane",
+    "cancelled",
+    "reconfigured",
+)
+
 # Timer kinds; a timer is void once its request left the lane or was requeued (version).
 _BATCH, _TIMEOUT, _DEADLINE, _AGING = "batch", "timeout", "deadline", "aging"
 

@@ -64,7 +64,11 @@ class Sidecar:
         self.cfg = cfg
         self.backend = backend or TritonBackend(cfg.triton)
         self.others = other_backends(cfg)
-        self.dispatcher = Dispatcher(make_scheduler(cfg), metrics=SidecarMetrics())
+        scheduler = make_scheduler(cfg)
+        metrics = SidecarMetrics()
+        lanes = [lane.name for lane in scheduler.stats().lanes] or [scheduler.name]
+        metrics.init_lanes(lanes)
+        self.dispatcher = Dispatcher(scheduler, metrics=metrics)
         self.service = GenerationService(
             cfg,
             load_tokenizer(cfg.model.tokenizer_dir),

@@ -16,7 +16,7 @@ from scheduler_svc.core.config import (
     PolicyConfig,
     default_lanes,
 )
-from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.policy import EVENTS, PolicyScheduler
 from scheduler_svc.core.types import (
     Admitted,
     Dispatch,
@@ -383,6 +383,10 @@ class PolicyMachine(RuleBasedStateMachine):
             mirror.reserved_blocks + mirror.external_blocks + mirror.free_blocks
             == mirror.total_blocks + mirror.overcommit_blocks
         )
+
+    @invariant()
+    def every_counted_event_is_a_known_label(self) -> None:
+        assert set(dict(self.policy.stats().counters)) <= set(EVENTS)
 
     @invariant()
     def queues_within_caps(self) -> None:
