@@ -44,10 +44,14 @@ PROMPT = "Summarise the status of the cluster in one word, please."
 Call = Callable[[], Awaitable[None]]
 
 
-def start_sidecar(triton_url: str, log_path: Path) -> tuple[subprocess.Popen[str], str]:
+def start_sidecar(
+    triton_url: str, log_path: Path, config: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
     """Start `scheduler-svc serve`; its JSON log (one line per request) goes to `log_path`."""
     command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--triton-url", triton_url]
     command += ["--port", "0", "--host", "127.0.0.1"]
+    if config is not None:
+        command += ["--config", str(config)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     stdout = proc.stdout

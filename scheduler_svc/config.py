@@ -43,10 +43,12 @@ class TritonConfig(_Frozen):
     kv_poll_interval_s: float = Field(
         1.0, gt=0, le=60, description="Seconds between reads of the KV block counts."
     )
-    dispatch: Literal["wave", "batch"] = Field(
-        "wave",
+    dispatch: Literal["auto", "wave", "batch"] = Field(
+        "auto",
         description="wave: a released batch goes as simultaneous one-row requests; batch: as one "
-        "multi-row request whose streamed rows are routed back by batch_index.",
+        "multi-row request whose streamed rows are routed back by batch_index; auto: batch for a "
+        "static-batching engine (gpt_model_type V1), wave for in-flight batching "
+        "(docs/sidecar.md has the measurements).",
     )
 
 

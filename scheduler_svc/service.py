@@ -110,10 +110,16 @@ class GenerationService:
         # Where the core may send a request besides the primary: the degrade target, the
         # elastic pool.
         self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
+        self.batch_calls: BatchCalls | None = None
+        if cfg.triton.dispatch == "batch":
+            self.set_dispatch("batch")
+
+    def set_dispatch(self, mode: str) -> None:
+        """`batch`: released batches go to the primary as one multi-row request; else `wave`."""
+        backend = self.backend
+        batch = mode == "batch" and isinstance(backend, TritonBackend)
         self.batch_calls = (
-            BatchCalls(backend)
-            if cfg.triton.dispatch == "batch" and isinstance(backend, TritonBackend)
-            else None
+            BatchCalls(backend) if batch and isinstance(backend, TritonBackend) else None
         )
         self.backend_ready = False
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused

@@ -162,6 +162,18 @@ class TritonBackend:
         except grpc.aio.AioRpcError:
             return False
 
+    async def batching_strategy(self) -> str | None:
+        """The engine's `gpt_model_type` parameter (V1 or inflight_fused_batching), if readable."""
+        try:
+            answer = await self.stub.ModelConfig(
+                service_pb2.ModelConfigRequest(name=self.cfg.engine_model),
+                timeout=self.cfg.connect_timeout_s,
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        param = answer.config.parameters.get("gpt_model_type")
+        return None if param is None else str(param.string_value)
+
     # -- the model repository (Admin passes these through) ----------------------------------
 
     async def repository_index(self) -> list[tuple[str, str, str, str]]:

@@ -114,6 +114,7 @@ class Sidecar:
         for other in self.others.values():
             await other.start()
         await self._first_kv_reading()
+        await self._choose_dispatch()
         self.dispatcher.start()
         # Know the backend's state before the first call arrives (serving starts either way).
         self.service.backend_ready = await self.backend.ready()
@@ -146,6 +147,17 @@ class Sidecar:
             scheduler=self.dispatcher.scheduler.name,
         )
         return self.port
+
+    async def _choose_dispatch(self) -> None:
+        """dispatch: auto: one multi-row request per batch for a static-batching engine (the
+        engine keeps the batch's shape), one request per row for in-flight batching."""
+        mode = self.cfg.triton.dispatch
+        strategy = None
+        if mode == "auto" and isinstance(self.backend, TritonBackend):
+            strategy = await self.backend.batching_strategy()
+            mode = "batch" if strategy is not None and strategy.lower() == "v1" else "wave"
+        self.service.set_dispatch(mode)
+        log.info("dispatch mode", mode=mode, engine_batching=strategy)
 
     async def _first_kv_reading(self) -> None:
         """Size the KV mirror from the engine before the first request, when it can be read."""

@@ -212,7 +212,8 @@ def test_batch_mode_keeps_the_length_ratio_inside_a_static_engine(
     # rows here) so the next bucket reaches the engine on its own.
     policy_padding, policy_requests = padding_of(
         {
-            "triton": {"engine_model": engine, "dispatch": "batch"},
+            # dispatch: auto reads the engine's gpt_model_type (V1) and picks batch
+            "triton": {"engine_model": engine, "dispatch": "auto"},
             "queue": {"max_in_flight": 3},
             # a bucket waits up to 0.5 s for its rows, so six threads' requests surely meet
             "policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]},
