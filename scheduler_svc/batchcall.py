@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 
 from scheduler_svc.backends.base import GenerationInput
-from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.core.types import BatchInfo
 
 _End = None
@@ -25,24 +25,28 @@ _End = None
 class BatchCalls:
     """The open batch calls of one backend, by batch id."""
 
-    def __init__(self, backend: TritonBackend, join_window_s: float = 0.02) -> None:
+    def __init__(self, backend: TritonPool, join_window_s: float = 0.02) -> None:
         self.backend = backend
         self.join_window_s = join_window_s
         self._open: dict[int, _BatchCall] = {}
+        self._started: dict[int, None] = {}  # recently started batch ids, oldest first
         self.calls = 0  # multi-row requests sent (for tests and stats)
 
     def rows(self, batch: BatchInfo, row: GenerationInput) -> AsyncGenerator[list[int], None]:
         """This member's tokens, from its batch's shared request."""
+        if batch.batch_id in self._started:  # joined too late: run alone, do not hold it up
+            return self.backend.stream(row)
         call = self._open.get(batch.batch_id)
         if call is None:
             call = _BatchCall(self, batch, self.join_window_s)
             self._open[batch.batch_id] = call
-        elif call.started:  # joined too late: run alone rather than wait for the whole batch
-            return self.backend.stream(row)
         return call.stream(call.join(row))
 
     def _closed(self, batch_id: int) -> None:
         self._open.pop(batch_id, None)
+        self._started[batch_id] = None
+        while len(self._started) > 4096:
+            del self._started[next(iter(self._started))]
 
 
 class _BatchCall:

@@ -22,6 +22,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Replica(_Frozen):
+    """One more Triton serving the same engine model as `triton.url`."""
+
+    url: str = Field(min_length=3, description="Triton gRPC address HOST:PORT.")
+    metrics_url: str | None = Field(None, description="Its metrics page, for its KV counts.")
+
+
 class TritonConfig(_Frozen):
     """Where the backend is and what it serves."""
 
@@ -42,6 +49,11 @@ class TritonConfig(_Frozen):
     )
     kv_poll_interval_s: float = Field(
         1.0, gt=0, le=60, description="Seconds between reads of the KV block counts."
+    )
+    replicas: list[Replica] = Field(
+        default_factory=list,
+        description="More Tritons serving the same engine model: each request goes to a ready "
+        "one with the fewest requests in flight, then the most free KV blocks.",
     )
     dispatch: Literal["auto", "wave", "batch"] = Field(
         "auto",

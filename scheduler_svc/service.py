@@ -20,7 +20,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from scheduler_svc.backends.base import Backend, GenerationInput
-from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.batchcall import BatchCalls
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.types import Dispatch, Expired, ExpireReason, Request, Target, Urgency
@@ -110,6 +110,9 @@ class GenerationService:
         # Where the core may send a request besides the primary: the degrade target, the
         # elastic pool.
         self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
+        self.backend_ready = False
+        self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
+        self.outcomes: Counter[str] = Counter()
         self.batch_calls: BatchCalls | None = None
         if cfg.triton.dispatch == "batch":
             self.set_dispatch("batch")
@@ -117,13 +120,9 @@ class GenerationService:
     def set_dispatch(self, mode: str) -> None:
         """`batch`: released batches go to the primary as one multi-row request; else `wave`."""
         backend = self.backend
-        batch = mode == "batch" and isinstance(backend, TritonBackend)
         self.batch_calls = (
-            BatchCalls(backend) if batch and isinstance(backend, TritonBackend) else None
+            BatchCalls(backend) if mode == "batch" and isinstance(backend, TritonPool) else None
         )
-        self.backend_ready = False
-        self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
-        self.outcomes: Counter[str] = Counter()
 
     def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
         if params.token_ids is not None:

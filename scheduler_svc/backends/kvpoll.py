@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,19 +51,19 @@ async def read_kv_blocks(url: str, model: str, timeout_s: float) -> tuple[int, i
 
 
 async def poll_kv(
-    dispatcher: Dispatcher, url: str, model: str, interval_s: float, timeout_s: float
+    dispatcher: Dispatcher, read: Callable[[], Awaitable[tuple[int, int] | None]], interval_s: float
 ) -> None:
-    """Forever: read the counts and feed them to the dispatcher."""
+    """Forever: read the counts (free, total) and feed them to the dispatcher."""
     failing = False
     while True:
-        counts = await read_kv_blocks(url, model, timeout_s)
+        counts = await read()
         if counts is None:
             if not failing:
-                log.warning("cannot read KV block counts; the mirror keeps its own", url=url)
+                log.warning("cannot read KV block counts; the mirror keeps its own")
             failing = True
         else:
             if failing:
-                log.info("KV block counts readable again", url=url)
+                log.info("KV block counts readable again")
             failing = False
             dispatcher.observe_kv(*counts)
         await asyncio.sleep(interval_s)

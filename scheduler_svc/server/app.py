@@ -18,7 +18,8 @@ from tritonclient.grpc import service_pb2_grpc as kv_grpc
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import Backend
-from scheduler_svc.backends.kvpoll import poll_kv, read_kv_blocks
+from scheduler_svc.backends.kvpoll import poll_kv
+from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
@@ -62,7 +63,7 @@ def other_backends(cfg: SidecarConfig) -> dict[Target, Backend]:
 class Sidecar:
     def __init__(self, cfg: SidecarConfig, backend: Backend | None = None) -> None:
         self.cfg = cfg
-        self.backend = backend or TritonBackend(cfg.triton)
+        self.backend = backend or TritonPool(cfg.triton)
         self.others = other_backends(cfg)
         scheduler = make_scheduler(cfg)
         metrics = SidecarMetrics()
@@ -124,15 +125,11 @@ class Sidecar:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
-        if self.cfg.triton.metrics_url is not None:
+        if isinstance(self.backend, TritonPool) and any(
+            e.metrics_url for e in self.backend.endpoints
+        ):
             self._poller = asyncio.create_task(
-                poll_kv(
-                    self.dispatcher,
-                    self.cfg.triton.metrics_url,
-                    self.cfg.triton.engine_model,
-                    self.cfg.triton.kv_poll_interval_s,
-                    self.cfg.triton.connect_timeout_s,
-                ),
+                poll_kv(self.dispatcher, self.backend.read_kv, self.cfg.triton.kv_poll_interval_s),
                 name="kv-poll",
             )
         if server_cfg.metrics_port is not None:
@@ -153,23 +150,25 @@ class Sidecar:
         engine keeps the batch's shape), one request per row for in-flight batching."""
         mode = self.cfg.triton.dispatch
         strategy = None
-        if mode == "auto" and isinstance(self.backend, TritonBackend):
-            strategy = await self.backend.batching_strategy()
+        if mode == "auto" and isinstance(self.backend, TritonPool):
+            strategy = await self.backend.first.batching_strategy()
             mode = "batch" if strategy is not None and strategy.lower() == "v1" else "wave"
         self.service.set_dispatch(mode)
         log.info("dispatch mode", mode=mode, engine_batching=strategy)
 
     async def _first_kv_reading(self) -> None:
         """Size the KV mirror from the engine before the first request, when it can be read."""
-        url = self.cfg.triton.metrics_url
-        if url is None or not isinstance(self.dispatcher.scheduler, PolicyScheduler):
+        pool = self.backend
+        if not isinstance(pool, TritonPool) or not isinstance(
+            self.dispatcher.scheduler, PolicyScheduler
+        ):
             return
-        counts = await read_kv_blocks(
-            url, self.cfg.triton.engine_model, self.cfg.triton.connect_timeout_s
-        )
+        if not any(e.metrics_url for e in pool.endpoints):
+            return
+        counts = await pool.read_kv()
         if counts is not None:
             self.dispatcher.scheduler.observe_kv(*counts, self.dispatcher.clock())
-        log.info("KV mirror sized", url=url, free_and_total=counts)
+        log.info("KV mirror sized", free_and_total=counts)
 
     async def _on_draining(self, draining: bool) -> None:
         await self._set_health(self.service.backend_ready and not draining)

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig, load_config
 from scheduler_svc.core.config import PolicyConfig, to_mapping
@@ -88,25 +89,31 @@ class SidecarControls:
         await self.on_draining(draining)
 
     async def backend_health(self) -> list[tuple[str, str, bool]]:
-        out = [("primary", self.cfg.triton.url, self.service.backend_ready)]
+        primary = self.service.backend
+        if isinstance(primary, TritonPool):
+            out = [("primary", e.url, e.ready) for e in primary.endpoints]
+        else:
+            out = [("primary", self.cfg.triton.url, self.service.backend_ready)]
         for target, backend in self.service.backends.items():
             if target is not Target.PRIMARY and isinstance(backend, TritonBackend):
                 out.append((target.value, backend.cfg.url, await backend.ready()))
         return out
 
-    def _triton(self) -> TritonBackend:
+    def _tritons(self) -> list[TritonBackend]:
         backend = self.service.backend
-        if not isinstance(backend, TritonBackend):
+        if not isinstance(backend, TritonPool):
             raise BackendUnavailableError("the primary backend is not a Triton server")
-        return backend
+        return [e.backend for e in backend.endpoints]
 
     async def repository_index(self) -> list[tuple[str, str, str, str]]:
-        return await self._triton().repository_index()
+        return await self._tritons()[0].repository_index()
 
     async def load_model(self, name: str) -> None:
-        await self._triton().load_model(name)
+        for triton in self._tritons():  # every endpoint serves the same repository
+            await triton.load_model(name)
         log.info("model loaded", model=name, by="admin")
 
     async def unload_model(self, name: str) -> None:
-        await self._triton().unload_model(name)
+        for triton in self._tritons():
+            await triton.unload_model(name)
         log.info("model unloaded", model=name, by="admin")

@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.triton.launcher import TritonServer, free_port
+from tests.integration.conftest import CPU_REPO
 from tests.integration.prompts import STORY, tokens_of_length
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_metric, scrape, wait_engine_idle
@@ -310,3 +311,60 @@ def test_the_model_repository_is_reachable_through_admin(
     with pytest.raises(grpc.RpcError) as caught:
         admin(sidecar).LoadModel(pb.LoadModelRequest(name=""))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_replicas_share_the_load_and_a_dead_one_is_skipped(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    ports = {"grpc_port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
+    second = TritonServer(CPU_REPO, **ports).start()
+    try:
+        config = {
+            "triton": {
+                "health_interval_s": 0.2,
+                "replicas": [{"url": second.grpc_url, "metrics_url": second.metrics_url}],
+            },
+            "policy": {"lanes": [{"name": "hot", "max_batch": 1, "queue_timeout_s": 30}]},
+        }
+        sidecar = sidecar_factory(triton, config)
+
+        def served(server: TritonServer) -> float:
+            key = (
+                "nv_inference_request_success_total",
+                frozenset({"model": "tensorrt_llm", "version": "1"}.items()),
+            )
+            return scrape(server.metrics_url)[key]
+
+        before = (served(triton), served(second))
+        results = in_threads([lambda i=i: ask(sidecar, f"Question {i}?", 8) for i in range(8)])
+        assert all(isinstance(r, pb.GenerateResponse) for r in results), results
+        after = (served(triton), served(second))
+        assert after[0] > before[0] and after[1] > before[1]  # both endpoints took requests
+        kv = stats(sidecar).kv
+        assert kv.total_blocks == 2 * 1024  # the mirror sees both pools
+        second.stop()
+        eventually(
+            lambda: [b.ready for b in stats(sidecar).backends] == [True, False],
+            "the stopped replica is marked not ready",
+        )
+        for i in range(4):
+            assert ask(sidecar, f"Still there {i}?", 2).usage.completion_tokens == 2
+    finally:
+        second.stop()
+
+
+def test_a_hot_request_past_its_timeout_goes_to_the_degrade_target(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    # The degrade target here is the same Triton (in production: a smaller, faster model).
+    config = {"queue": {"max_in_flight": 1}, "degrade": {"url": triton.grpc_url}}
+    sidecar = sidecar_factory(triton, config)
+    blocker = threading.Thread(target=ask, args=(sidecar, STORY, 80))
+    blocker.start()
+    eventually(lambda: stats(sidecar).in_flight == 1, "a long request runs")
+    answer = ask(sidecar, "Quick one?", 3)  # waits past the hot lane's 100 ms, then degrades
+    blocker.join(WAIT_S)
+    assert answer.usage.completion_tokens == 3 and answer.lane == "hot"
+    events = stats(sidecar).policy_events
+    assert events["degraded_backend"] == 1 and events["expired_no_fallback"] == 0
+    assert [b.role for b in stats(sidecar).backends] == ["primary", "degrade"]

@@ -1,0 +1,111 @@
+"""The primary backend: one or more Tritons serving the same engine model.
+
+Each request (or released batch) goes to a ready endpoint with the fewest requests the sidecar
+has in flight there, then the most free KV blocks at the last reading. Endpoints that failed
+their last readiness check are skipped while any other is ready. The policy's KV mirror sees the
+pool's blocks summed over endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.backends.kvpoll import read_kv_blocks
+from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.config import TritonConfig
+
+
+@dataclass
+class Endpoint:
+    backend: TritonBackend
+    metrics_url: str | None
+    ready: bool = True
+    in_flight: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.backend.cfg.url
+
+
+class TritonPool:
+    """A `Backend` over several Triton endpoints (one, unless `triton.replicas` lists more)."""
+
+    def __init__(self, cfg: TritonConfig) -> None:
+        self.cfg = cfg
+        pairs = [(cfg.url, cfg.metrics_url)] + [(r.url, r.metrics_url) for r in cfg.replicas]
+        self.endpoints = [
+            Endpoint(TritonBackend(cfg.model_copy(update={"url": url})), metrics)
+            for url, metrics in pairs
+        ]
+
+    async def start(self) -> None:
+        for endpoint in self.endpoints:
+            await endpoint.backend.start()
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints:
+            await endpoint.backend.close()
+
+    async def ready(self) -> bool:
+        """Check every endpoint (remembering each answer); ready if any one is."""
+        answers = await asyncio.gather(*(e.backend.ready() for e in self.endpoints))
+        for endpoint, answer in zip(self.endpoints, answers, strict=True):
+            endpoint.ready = answer
+        return any(answers)
+
+    def pick(self) -> Endpoint:
+        candidates = [e for e in self.endpoints if e.ready] or self.endpoints
+        return min(candidates, key=lambda e: (e.in_flight, -e.free_blocks))
+
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
+        endpoint = self.pick()
+        endpoint.in_flight += 1
+        try:
+            async with contextlib.aclosing(endpoint.backend.stream(request)) as tokens:
+                async for ids in tokens:
+                    yield ids
+        finally:
+            endpoint.in_flight -= 1
+
+    async def stream_batch(
+        self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
+    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+        endpoint = self.pick()
+        endpoint.in_flight += len(rows)
+        try:
+            answers = endpoint.backend.stream_batch(request_id, rows, timeout_s)
+            async with contextlib.aclosing(answers) as stream:
+                async for row, ids in stream:
+                    yield row, ids
+        finally:
+            endpoint.in_flight -= len(rows)
+
+    async def read_kv(self) -> tuple[int, int] | None:
+        """Free and total KV blocks summed over the endpoints whose counts could be read (each
+        endpoint's reading is kept for `pick`); None if none could."""
+        readable = [e for e in self.endpoints if e.metrics_url is not None]
+        counts = await asyncio.gather(
+            *(
+                read_kv_blocks(
+                    e.metrics_url or "", self.cfg.engine_model, self.cfg.connect_timeout_s
+                )
+                for e in readable
+            )
+        )
+        free = total = 0
+        seen = False
+        for endpoint, reading in zip(readable, counts, strict=True):
+            if reading is not None:
+                endpoint.free_blocks, endpoint.total_blocks = reading
+                free, total, seen = free + reading[0], total + reading[1], True
+        return (free, total) if seen else None
+
+    @property
+    def first(self) -> TritonBackend:
+        return self.endpoints[0].backend
