@@ -192,15 +192,15 @@ def from_backend_status(code: grpc.StatusCode, details: str) -> RequestError:
 
 
 def from_repository_status(code: grpc.StatusCode, details: str) -> RequestError:
-    """Classify a failed repository call (load, unload): Triton answers INVALID_ARGUMENT or
-    UNAVAILABLE when it refuses the change itself (unknown model, model control disabled)."""
-    if code in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.NOT_FOUND,
-    ):
-        return BackendRefusedError(f"Triton: {details}")
-    return from_backend_status(code, details)
+    """Classify a failed repository call (load, unload). A Triton that answered refused the
+    change itself (unknown model, model control disabled): FAILED_PRECONDITION with its reason.
+    Only a Triton that could not be reached is UNAVAILABLE."""
+    unreachable = code == grpc.StatusCode.UNAVAILABLE and any(
+        word in details.lower() for word in ("connect", "socket", "unreachable", "refused")
+    )
+    if unreachable or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return from_backend_status(code, details)
+    return BackendRefusedError(f"Triton: {details}")
 
 
 def from_backend_message(message: str) -> RequestError:

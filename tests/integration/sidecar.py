@@ -103,8 +103,11 @@ class SidecarProcess:
         return pb_grpc.SchedulerStub(self.channel())
 
     def terminate(self) -> None:
+        self.signal(signal.SIGTERM)
+
+    def signal(self, signum: int) -> None:
         assert self._proc is not None
-        self._proc.send_signal(signal.SIGTERM)
+        self._proc.send_signal(signum)
 
     def wait(self, timeout_s: float = 60) -> int:
         """Wait for the process to exit and its whole log to be read."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
@@ -368,3 +370,76 @@ def test_a_hot_request_past_its_timeout_goes_to_the_degrade_target(
     events = stats(sidecar).policy_events
     assert events["degraded_backend"] == 1 and events["expired_no_fallback"] == 0
     assert [b.role for b in stats(sidecar).backends] == ["primary", "degrade"]
+
+
+def test_load_and_unload_pass_through_to_a_triton_with_explicit_model_control(
+    tmp_path: Path, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    ports = {"grpc_port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
+    explicit = TritonServer(
+        CPU_REPO, **ports, extra_args=["--model-control-mode=explicit", "--load-model=*"]
+    ).start()
+    try:
+        sidecar = sidecar_factory(explicit, {})
+        stub = admin(sidecar)
+
+        def state(name: str) -> str:
+            models = stub.ListModels(pb.ListModelsRequest()).models
+            return {m.name: m.state for m in models}.get(name, "")
+
+        assert state("postprocessing") == "READY"
+        stub.UnloadModel(pb.UnloadModelRequest(name="postprocessing"))
+        eventually(lambda: state("postprocessing") == "UNAVAILABLE", "postprocessing unloads")
+        stub.LoadModel(pb.LoadModelRequest(name="postprocessing"))
+        assert state("postprocessing") == "READY"
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.LoadModel(pb.LoadModelRequest(name="no_such_model"))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no_such_model" in caught.value.details()
+    finally:
+        explicit.stop()
+
+
+def test_sighup_reloads_the_policy_from_the_config_file(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    sidecar = sidecar_factory(triton, {})
+
+    def hot_max_batch() -> int:
+        current = admin(sidecar).UpdatePolicy(
+            pb.UpdatePolicyRequest(policy_json="{}", dry_run=True)
+        )
+        return int(json.loads(current.policy_json)["lanes"][0]["max_batch"])
+
+    assert hot_max_batch() == 16
+    config = yaml.safe_load(sidecar.config_path.read_text())
+    config["policy"] = {"lanes": [{"name": "hot", "max_batch": 4}]}
+    sidecar.config_path.write_text(yaml.safe_dump(config))
+    sidecar.signal(signal.SIGHUP)
+    eventually(lambda: hot_max_batch() == 4, "the reloaded policy is in force")
+    sidecar.config_path.write_text("policy: {lanes: [{name: hot, share: 7}]}\n")
+    sidecar.signal(signal.SIGHUP)
+    sidecar.wait_for_events(
+        "config reload refused; the running policy stays", lambda events: len(events) >= 1
+    )
+    assert hot_max_batch() == 4
+    assert ask(sidecar, "Still fine?", 2).usage.completion_tokens == 2
+
+
+def test_cold_requests_past_their_timeout_go_to_the_elastic_pool(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    config = {
+        "queue": {"max_in_flight": 1},
+        "elastic": {"url": triton.grpc_url},  # in production: an overflow cluster
+        "policy": {"lanes": [{"name": "cold", "queue_timeout_s": 0.2}]},
+    }
+    sidecar = sidecar_factory(triton, config)
+    cold_prompt = text_of(1100)  # before the clock starts: the first tokenizer load is slow
+    blocker = threading.Thread(target=ask, args=(sidecar, STORY, 200))
+    blocker.start()
+    eventually(lambda: stats(sidecar).in_flight == 1, "a long request runs")
+    answer = ask(sidecar, cold_prompt, 3)
+    blocker.join(WAIT_S)
+    assert answer.lane == "cold" and answer.usage.completion_tokens == 3
+    assert stats(sidecar).policy_events["elastic"] == 1
