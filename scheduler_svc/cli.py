@@ -107,7 +107,8 @@ async def _serve_until_signal(
         loop.add_signal_handler(signal.SIGHUP, reload)
     port = await sidecar.start()
     if on_ready:
-        print(on_ready.format(port=port), flush=True)
+        metrics_port = sidecar.metrics.port if sidecar.metrics is not None else "-"
+        print(on_ready.format(port=port, metrics_port=metrics_port), flush=True)
     waiter = asyncio.create_task(sidecar.wait())
     await asyncio.wait(
         {waiter, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
@@ -124,6 +125,9 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(cfg.server.log_level)
     asyncio.run(_serve_until_signal(cfg, config_path=args.config, overrides=overrides))
     return 0
+
+
+RUN_METRICS_PORT = 9464
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -147,12 +151,16 @@ def _run(args: argparse.Namespace) -> int:
             overrides.setdefault("triton", {})["url"] = server.grpc_url
             overrides["triton"]["metrics_url"] = server.metrics_url
             cfg = load_config(args.config, overrides)
+            if cfg.server.metrics_port is None:  # the embedded default shows its metrics
+                overrides.setdefault("server", {})["metrics_port"] = RUN_METRICS_PORT
+                cfg = load_config(args.config, overrides)
             logs.configure(cfg.server.log_level)
             ready = (
                 f"tritonserver  gRPC {server.grpc_url}  HTTP {server.http_url}  "
                 f"metrics {server.metrics_url}\n"
                 "sidecar       gRPC 127.0.0.1:{port}  "
-                "(scheduler.v1, KServe v2, health, reflection)\n"
+                "(scheduler.v1, KServe v2, health, reflection)  "
+                "metrics http://127.0.0.1:{metrics_port}/metrics\n"
                 "Ctrl-C stops both."
             )
             asyncio.run(

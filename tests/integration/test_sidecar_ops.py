@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def test_sigterm_drains_without_losing_in_flight_requests(
     assert sidecar.events("stopped")[0]["finished"] == {"ok": 1}
 
 
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
 def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     cli = [
         sys.executable,
@@ -185,6 +191,8 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
         "0",
         "--port",
         "0",
+        "--metrics-port",
+        "0",
         "--triton-log",
         str(tmp_path / "triton.log"),
     ]
@@ -197,6 +205,8 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
             if line.startswith("sidecar"):
                 break
         sidecar_url = lines[-1].split()[2]
+        metrics_url = lines[-1].split("metrics ")[1].strip()
+        assert "scheduler_svc_queue_depth" in scrape_text(metrics_url)
         stub = pb_grpc.SchedulerStub(grpc.insecure_channel(sidecar_url))
         eventually(
             lambda: (
