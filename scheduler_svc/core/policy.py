@@ -18,7 +18,8 @@ Invariants (tests/unit/test_policy.py's state machine):
 - primary in-flight requests hold exactly one KV reservation each; nothing else holds one;
 - released batches respect their lane's max batch and max ratio;
 - no request stays queued past its lane's aging bound + its batch timeout while the capacity
-  its bucket needs is free;
+  it needs is free, unless an older overdue request is waiting for more (freed capacity is kept
+  for the oldest: that is what stops a large request from starving);
 - each lane's queue stays within its cap.
 """
 
