@@ -1,9 +1,9 @@
 """The primary backend: one or more Tritons serving the same engine model.
 
 Each request (or released batch) goes to a ready endpoint with the fewest requests the sidecar
-has in flight there, then the most free KV blocks at the last reading. Endpoints that failed
-their last readiness check are skipped while any other is ready. The policy's KV mirror sees the
-pool's blocks summed over endpoints.
+has in flight there, then the most free KV blocks at the last reading, then round robin.
+Endpoints that failed their last readiness check are skipped while any other is ready. The
+policy's KV mirror sees the pool's blocks summed over endpoints.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class TritonPool:
             Endpoint(TritonBackend(cfg.model_copy(update={"url": url})), metrics)
             for url, metrics in pairs
         ]
+        self._turn = 0
 
     async def start(self) -> None:
         for endpoint in self.endpoints:
@@ -60,8 +61,17 @@ class TritonPool:
         return any(answers)
 
     def pick(self) -> Endpoint:
+        """The ready endpoint with the fewest requests in flight, then the most free KV blocks;
+        ties go round robin."""
         candidates = [e for e in self.endpoints if e.ready] or self.endpoints
-        return min(candidates, key=lambda e: (e.in_flight, -e.free_blocks))
+        n = len(self.endpoints)
+        turn = self._turn
+        self._turn += 1
+
+        def key(e: Endpoint) -> tuple[int, int, int]:
+            return (e.in_flight, -e.free_blocks, (self.endpoints.index(e) - turn) % n)
+
+        return min(candidates, key=key)
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
         endpoint = self.pick()

@@ -130,7 +130,10 @@ def test_hot_requests_overtake_queued_cold_ones(
     threads = [threading.Thread(target=job(f"cold{i}", cold_prompt, 30)) for i in range(3)]
     for t in threads:
         t.start()
-    eventually(lambda: stats(sidecar).queued == 2, "two cold requests wait behind the first")
+    eventually(
+        lambda: (stats(sidecar).in_flight, stats(sidecar).queued) == (1, 2),
+        "one cold request runs and two wait behind it",
+    )
     assert [lane.queued for lane in stats(sidecar).lanes if lane.name == "cold"] == [2]
     hot = threading.Thread(target=job("hot", "What time is it?", 4))
     hot.start()
@@ -143,7 +146,9 @@ def test_hot_requests_overtake_queued_cold_ones(
 def test_update_policy_applies_from_the_next_batch(
     triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
 ) -> None:
-    sidecar = sidecar_factory(triton, {"policy": PATIENT_HOT})
+    # A bucket waits 0.5 s for company, so four threads' requests surely share one.
+    patient = {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]}
+    sidecar = sidecar_factory(triton, {"policy": patient})
 
     def batches() -> int:
         return int(stats(sidecar).policy_events["batches"])
@@ -154,7 +159,7 @@ def test_update_policy_applies_from_the_next_batch(
 
     before = batches()
     four_at_once()
-    assert batches() - before == 1  # one bucket of four (released after its 50 ms)
+    assert batches() - before == 1  # one bucket of four (released after its 0.5 s)
     stub = admin(sidecar)
     dry = stub.UpdatePolicy(
         pb.UpdatePolicyRequest(
