@@ -153,6 +153,7 @@ def test_the_sidecar_configs_load_and_agree_with_their_repositories() -> None:
     for cfg in (gpu, cpu):  # the same fronts and metrics on both stacks
         assert (cfg.server.port, cfg.server.metrics_port) == (50051, 9464)
         assert cfg.triton.engine_model == "tensorrt_llm"
+        assert cfg.triton.metrics_url == "http://triton:8002/metrics"
 
 
 # -- docker-compose ----------------------------------------------------------------------------
@@ -230,6 +231,7 @@ def test_the_sidecar_is_a_real_sidecar_probed_by_grpc_health() -> None:
     [sidecar] = pod["initContainers"]
     assert sidecar["restartPolicy"] == "Always"  # a native sidecar (Kubernetes >= 1.29)
     assert "127.0.0.1:8001" in sidecar["args"]  # Triton on localhost, same pod
+    assert "http://127.0.0.1:8002/metrics" in sidecar["args"]  # its KV counts, for the policy
     assert sidecar["readinessProbe"]["grpc"] == {"port": 50051}
     assert sidecar["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
     service = k8s_docs(K8S / "base" / "service.yaml")[0]
