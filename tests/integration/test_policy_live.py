@@ -448,3 +448,43 @@ def test_cold_requests_past_their_timeout_go_to_the_elastic_pool(
     blocker.join(WAIT_S)
     assert answer.lane == "cold" and answer.usage.completion_tokens == 3
     assert stats(sidecar).policy_events["elastic"] == 1
+
+
+def test_a_batch_whose_triton_dies_mid_stream_ends_every_member_clearly(
+    sidecar_factory: Callable[..., SidecarProcess],
+) -> None:
+    ports = {"grpc_port": free_port(), "http_port": free_port(), "metrics_port": free_port()}
+    doomed = TritonServer(CPU_REPO, **ports).start()
+    try:
+        config = {
+            "triton": {"dispatch": "batch", "health_interval_s": 0.2},
+            "policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]},
+        }
+        sidecar = sidecar_factory(doomed, config)
+        first_tokens = threading.Barrier(4, timeout=WAIT_S)
+
+        def member() -> grpc.StatusCode | None:
+            call = sidecar.scheduler().GenerateStream(
+                pb.GenerateRequest(prompt=STORY, max_tokens=800), timeout=WAIT_S
+            )
+            try:
+                for n, _ in enumerate(call):
+                    if n == 0:
+                        first_tokens.wait()
+            except grpc.RpcError as exc:
+                return exc.code()
+            return None
+
+        results: list[Any] = []
+        threads = [threading.Thread(target=lambda: results.append(member())) for _ in range(3)]
+        for t in threads:
+            t.start()
+        first_tokens.wait()  # all three rows are streaming from one multi-row request
+        assert stats(sidecar).policy_events["batches"] == 1
+        doomed.stop(grace_s=0.0)  # killed, not drained: the streams break mid-answer
+        for t in threads:
+            t.join(WAIT_S)
+        assert results == [grpc.StatusCode.UNAVAILABLE] * 3
+        eventually(lambda: stats(sidecar).kv.reserved_blocks == 0, "the reservations are freed")
+    finally:
+        doomed.stop()
