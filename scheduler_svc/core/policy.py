@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
 from scheduler_svc.core.kv import BlockMirror
 from scheduler_svc.core.predict import OutputPredictor
+from scheduler_svc.core.shares import DeficitRoundRobin
 from scheduler_svc.core.types import (
     Admitted,
     BatchInfo,
@@ -115,9 +115,9 @@ class PolicyScheduler:
         self._queued: dict[str, tuple[str, Entry]] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._outbox: list[Decision] = []
-        self._deficit = dict.fromkeys(self.lanes, 0.0)
-        self._order = list(self.lanes)
-        self._next_lane = 0
+        self.shares = DeficitRoundRobin(
+            {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
+        )
         self._rows_in_flight = 0
         self._now = 0.0
 
@@ -372,34 +372,21 @@ class PolicyScheduler:
         return False
 
     def _dispatch_fair(self, out: list[Decision]) -> None:
-        """Deficit round robin on tokens between lanes with ready buckets (work-conserving)."""
+        """Share the room between lanes with ready buckets by deficit round robin on tokens."""
         blocked: set[str] = set()
-        quantum = self.config.quantum_tokens
         while True:
             heads: dict[str, Bucket] = {}
             for name, queue in self.lanes.items():
                 head = None if name in blocked else queue.head()
-                if head is None:
-                    if name not in blocked:
-                        self._deficit[name] = 0.0  # an idle lane banks nothing
-                    continue
-                heads[name] = head
+                if head is not None:
+                    heads[name] = head
+                elif name not in blocked:
+                    self.shares.idle(name)
             if not heads:
                 return
-            best: tuple[int, int, str] | None = None
-            for name, head in heads.items():
-                share = quantum * self.lanes[name].config.share
-                cost = sum(e.cost_tokens for e in head.members)
-                rounds = max(0, math.ceil((cost - self._deficit[name]) / share))
-                distance = (self._order.index(name) - self._next_lane) % len(self._order)
-                if best is None or (rounds, distance) < best[:2]:
-                    best = (rounds, distance, name)
-            assert best is not None
-            rounds, _, name = best
-            for other, head in heads.items():
-                share = quantum * self.lanes[other].config.share
-                cost = sum(e.cost_tokens for e in head.members)
-                self._deficit[other] = min(self._deficit[other] + rounds * share, share + cost)
+            name = self.shares.choose(
+                {lane: sum(e.cost_tokens for e in head.members) for lane, head in heads.items()}
+            )
             head, max_batch = heads[name], self.lanes[name].config.max_batch
             entries = self._fits(head, max_batch)
             whole = min(len(head.members), max_batch)
@@ -408,8 +395,7 @@ class PolicyScheduler:
                 # in part only when nothing runs (waiting could not help).
                 blocked.add(name)
                 continue
-            self._deficit[name] -= self._release(name, entries, out)
-            self._next_lane = (self._order.index(name) + 1) % len(self._order)
+            self.shares.charge(name, self._release(name, entries, out))
 
     # -- changes while running -------------------------------------------------------------
 
@@ -427,6 +413,9 @@ class PolicyScheduler:
         for lane in config.lanes:
             self.lanes[lane.name].reconfigure(lane)
         self.breaker.config = config.breaker
+        self.shares.reconfigure(
+            {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
+        )
         self.predictor.config = config.predict
         self.mirror.config = new_kv
         self.counters["reconfigured"] += 1

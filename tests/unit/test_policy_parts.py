@@ -23,6 +23,7 @@ from scheduler_svc.core.config import (
 from scheduler_svc.core.kv import BlockMirror
 from scheduler_svc.core.lengths import estimate_tokens
 from scheduler_svc.core.predict import OutputPredictor
+from scheduler_svc.core.shares import DeficitRoundRobin
 from scheduler_svc.tokenizer import load_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "lengths"
@@ -181,3 +182,24 @@ class MirrorMachine(RuleBasedStateMachine):
 
 TestMirrorMachine = MirrorMachine.TestCase
 TestMirrorMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+
+
+def test_deficit_round_robin_shares_by_weight_and_lends_idle_shares() -> None:
+    drr = DeficitRoundRobin({"a": 0.75, "b": 0.25}, quantum_tokens=100)
+    served = {"a": 0, "b": 0}
+    for _ in range(400):  # both always have a batch of 50 tokens ready
+        lane = drr.choose({"a": 50, "b": 50})
+        drr.charge(lane, 50)
+        served[lane] += 50
+        assert all(credit >= 0 for credit in drr.credit.values())
+    assert 0.7 < served["a"] / (served["a"] + served["b"]) < 0.8
+    drr.idle("a")  # a has nothing ready: b takes every turn, and a banks nothing meanwhile
+    for _ in range(10):
+        drr.charge(drr.choose({"b": 500}), 500)
+    assert drr.credit["a"] == 0.0
+    picks = []
+    for _ in range(8):  # back with work, a gets its share again, not a burst of saved turns
+        lane = drr.choose({"a": 50, "b": 50})
+        drr.charge(lane, 50)
+        picks.append(lane)
+    assert 4 <= picks.count("a") <= 7 and "b" in picks
