@@ -124,3 +124,13 @@ class SidecarProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting until {what}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer, free_port
 from tests.integration.conftest import CPU_REPO
 from tests.integration.prompts import STORY, tokens_of_length
-from tests.integration.sidecar import SidecarProcess
+from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import engine_metric, scrape, wait_engine_idle
 
 WAIT_S = 60.0
@@ -36,15 +35,6 @@ TEPID = {
 }
 ALL_TEPID = {"watch_lane": "tepid", "demote_lane": "tepid", "to_lane": "tepid"}
 PATIENT_HOT = {"lanes": [{"name": "hot", "queue_timeout_s": 30, "max_wait_s": 30}]}
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def text_of(n: int) -> str:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,19 +22,10 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.triton.launcher import TritonServer, free_port
 from tests.integration.conftest import CPU_REPO
 from tests.integration.prompts import STORY
-from tests.integration.sidecar import SidecarProcess
+from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import engine_metric, make_inputs, scrape, text_request
 
 WAIT_S = 60.0
-
-
-def eventually(check: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 @pytest.fixture
