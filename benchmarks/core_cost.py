@@ -13,6 +13,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from scheduler_svc.core.config import KvConfig, PolicyConfig, default_lanes
@@ -32,8 +33,7 @@ def _lengths(rng: random.Random) -> int:
 def queued_cost() -> dict[str, float]:
     rng = random.Random(0)
     lanes = tuple(
-        lane.__class__(**{**lane.__dict__, "max_queued": 20_000, "queue_timeout_s": None})
-        for lane in default_lanes()
+        replace(lane, max_queued=20_000, queue_timeout_s=None) for lane in default_lanes()
     )
     policy = PolicyScheduler(
         PolicyConfig(lanes=lanes, kv=KvConfig(total_blocks=600, max_in_flight=64))

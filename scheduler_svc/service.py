@@ -40,11 +40,6 @@ log = structlog.get_logger("scheduler_svc.requests")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 PROGRESS_EVERY_TOKENS = 16  # how often the core hears how far a request has got
-_URGENCY_NAMES = {
-    Urgency.INTERACTIVE: "interactive",
-    Urgency.STANDARD: "standard",
-    Urgency.BATCH: "batch",
-}
 
 
 class Finish(StrEnum):
@@ -175,7 +170,7 @@ class GenerationService:
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
         pinned = None
         if self.cfg.queue.scheduler == "policy":
-            pinned = self.cfg.queue.priority_lanes.get(_URGENCY_NAMES[params.urgency])
+            pinned = self.cfg.queue.priority_lanes.get(params.urgency.name.lower())
         ticket = await self.dispatcher.submit(
             Request(
                 request_id=run.request_id,

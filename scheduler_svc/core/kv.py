@@ -89,10 +89,7 @@ class BlockMirror:
         held.used_tokens = max(held.used_tokens, used_tokens)
         if self.blocks_for(held.used_tokens) <= held.blocks:
             return False
-        wanted = self.blocks_for(max(held.used_tokens, grow_to_tokens)) - held.blocks
-        if wanted <= 0 or self.config.mode == KvMode.CONTIGUOUS:
-            return False
-        self._grow(held, wanted)
+        self._grow(held, self.blocks_for(max(held.used_tokens, grow_to_tokens)) - held.blocks)
         return True
 
     def _grow(self, held: _Reservation, wanted: int) -> None:

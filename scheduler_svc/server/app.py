@@ -102,7 +102,7 @@ class Sidecar:
             scheduler_v1.AdminFront(self.service, self.dispatcher, self.controls), self._server
         )
         kv_grpc.add_GRPCInferenceServiceServicer_to_server(
-            kserve.KServeFront(self.service, lambda: self.service.draining), self._server
+            kserve.KServeFront(self.service), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(

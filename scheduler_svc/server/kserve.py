@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,13 +189,12 @@ def _stream_response(
 
 
 class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, service: GenerationService, draining: Callable[[], bool]) -> None:
+    def __init__(self, service: GenerationService) -> None:
         self.service = service
         self.model = service.cfg.model.kserve_model
-        self._draining = draining
 
     def _ready(self) -> bool:
-        return self.service.backend_ready and not self._draining()
+        return self.service.backend_ready and not self.service.draining
 
     # -- health and metadata -----------------------------------------------------------------
 

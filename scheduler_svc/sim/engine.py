@@ -59,21 +59,14 @@ class EngineTotals:
     slots_used: int = 0
 
 
-class InflightEngine:
-    """Continuous batching over a finite paged KV pool."""
+class _Engine:
+    """What both engines share: a bounded waiting queue and the rows running now."""
 
-    def __init__(self, cost: CostModel, contiguous: bool = False) -> None:
+    def __init__(self, cost: CostModel) -> None:
         self.cost = cost
-        self.contiguous = contiguous
-        self.total_blocks = cost.total_blocks
-        self.free_blocks = self.total_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.totals = EngineTotals()
-        self._admissions = 0
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.cost.tokens_per_block)
 
     def enqueue(self, seq: Sequence) -> bool:
         """False when the engine's own queue is full (the request is refused)."""
@@ -84,6 +77,20 @@ class InflightEngine:
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+class InflightEngine(_Engine):
+    """Continuous batching over a finite paged KV pool."""
+
+    def __init__(self, cost: CostModel, contiguous: bool = False) -> None:
+        super().__init__(cost)
+        self.contiguous = contiguous
+        self.total_blocks = cost.total_blocks
+        self.free_blocks = self.total_blocks
+        self._admissions = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cost.tokens_per_block)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cost.max_num_seqs:
@@ -161,26 +168,13 @@ class InflightEngine:
         t.slots_used += context
 
 
-class StaticEngine:
-    """One padded batch at a time (TensorRT-LLM's V1 / static batching)."""
+class StaticEngine(_Engine):
+    """One padded batch at a time (TensorRT-LLM's V1 / static batching); `running` is it."""
 
     def __init__(self, cost: CostModel, max_batch: int = 64) -> None:
-        self.cost = cost
+        super().__init__(cost)
         self.max_batch = max_batch
-        self.waiting: deque[Sequence] = deque()
-        self.batch: list[Sequence] = []
         self._padded_len = 0
-        self._steps_left = 0
-        self.totals = EngineTotals()
-
-    def enqueue(self, seq: Sequence) -> bool:
-        if len(self.waiting) >= self.cost.max_queue_size:
-            return False
-        self.waiting.append(seq)
-        return True
-
-    def busy(self) -> bool:
-        return bool(self.waiting or self.batch)
 
     def _next_batch(self) -> None:
         head = self.waiting[0]
@@ -192,7 +186,7 @@ class StaticEngine:
             if not head.batch_id and seq.batch_id:
                 break
             batch.append(self.waiting.popleft())
-        self.batch = batch
+        self.running = batch
         self._padded_len = max(s.prompt_tokens for s in batch)
         t = self.totals
         t.batches += 1
@@ -201,22 +195,22 @@ class StaticEngine:
         t.prompt_tokens += sum(s.prompt_tokens for s in batch)
 
     def step(self) -> StepResult:
-        rows = len(self.batch) if self.batch else 0
-        if not self.batch:
+        rows = len(self.running) if self.running else 0
+        if not self.running:
             self._next_batch()
-            rows = len(self.batch)
+            rows = len(self.running)
             duration = self.cost.step_s(rows, 0, rows * self._padded_len)
-            produced = list(self.batch)
+            produced = list(self.running)
         else:
-            longest = max(s.generated for s in self.batch)
+            longest = max(s.generated for s in self.running)
             duration = self.cost.step_s(rows, rows * (self._padded_len + longest), 0)
-            produced = [s for s in self.batch if s.generated < s.output_tokens]
+            produced = [s for s in self.running if s.generated < s.output_tokens]
         self.totals.steps += 1
         self.totals.rows += rows
         for seq in produced:
             seq.generated += 1
         finished = [s for s in produced if s.generated >= s.output_tokens]
-        if all(s.generated >= s.output_tokens for s in self.batch):
-            self.batch = []
+        if all(s.generated >= s.output_tokens for s in self.running):
+            self.running = []
         firsts = [s for s in produced if s.generated == 1]
         return StepResult(duration, firsts, produced, finished)

@@ -129,7 +129,7 @@ def test_hot_requests_overtake_queued_cold_ones(
     hot.start()
     for t in [*threads, hot]:
         t.join(WAIT_S)
-    assert done[0] == "cold0" or done[0].startswith("cold")
+    assert done[0].startswith("cold")
     assert done.index("hot") == 1, f"finishing order {done}"  # right after the running one
 
 

@@ -235,15 +235,22 @@ def test_a_request_past_its_prediction_gets_more_blocks_and_is_counted() -> None
     assert dict(policy.stats().counters)["mispredicted"] == 1
 
 
-def test_aging_promotes_and_the_bound_is_reported() -> None:
+def test_aging_promotes_a_blocked_request_and_keeps_freed_room_for_it() -> None:
     lanes = tuple(
         replace(lane, max_wait_s=0.3) if lane.name == "cold" else lane for lane in default_lanes()
     )
-    policy = PolicyScheduler(PolicyConfig(lanes=lanes))
-    policy.submit(req("c", 2000), 0.0)
+    policy = PolicyScheduler(PolicyConfig(lanes=lanes, kv=KvConfig(total_blocks=180)))
     assert [lane.max_wait_s for lane in policy.stats().lanes] == [0.1, 1.0, 0.3]
-    assert dispatched(policy.schedule(0.05)) == ["c"]  # ready after its batch timeout anyway
-    assert dict(policy.stats().counters).get("promoted") is None
+    policy.submit(req("running", 1000), 0.0)  # warm: 67 blocks
+    assert dispatched(policy.schedule(0.05)) == ["running"]
+    policy.submit(req("big", 2000), 0.06)  # cold: 129 blocks, 113 free: blocked
+    policy.submit(req("h", 10), 0.2)  # hot: 5 blocks, fits, goes while big waits
+    assert dispatched(policy.schedule(0.25)) == ["h"]
+    policy.submit(req("h2", 10), 0.37)  # after big was promoted (0.36)
+    assert policy.schedule(0.43) == []  # h2 would fit, but the room is kept for big
+    assert dict(policy.stats().counters)["promoted"] == 1
+    policy.on_done("running", 0.45, 64)
+    assert dispatched(policy.schedule(0.45)) == ["big", "h2"]
 
 
 def test_queue_caps_reject_with_a_retry_hint() -> None:

@@ -39,11 +39,19 @@ def test_workloads_are_seeded_open_loop_and_match_their_means() -> None:
 def test_every_request_ends_in_exactly_one_state() -> None:
     for target in ("fifo", "priority", "policy"):
         run = simulate(with_duration(SCENARIOS["mixed"], 5.0), target, "inflight", seed=3)
-        states = {o.state for o in run.outcomes}
-        assert states <= {"served", "rejected", "failed"}
+        assert {o.state for o in run.outcomes} <= {"served", "rejected", "failed"}
+        for o in run.outcomes:
+            if o.state == "served":  # a served request got all its tokens, in order
+                assert o.first_token_s is not None and o.done_s is not None
+                assert o.request.arrival_s <= o.first_token_s <= o.done_s
+            else:
+                assert o.done_s is None
+            if o.state == "rejected":  # refused at submission: never reached the engine
+                assert o.first_token_s is None
         summary = summarize(run)
-        assert summary["requests"] == sum(
-            1 for o in run.outcomes if o.state in ("served", "rejected", "failed")
+        served = sum(o.state == "served" for o in run.outcomes)
+        assert served + summary["rejected_fast"] + summary["failed_after_accept"] == len(
+            run.outcomes
         )
 
 
