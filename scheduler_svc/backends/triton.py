@@ -1,9 +1,11 @@
 """The Triton adapter: TensorRT-LLM's `tensorrt_llm` contract over Triton's gRPC stream API.
 
 Every request goes out on its own `ModelStreamInfer` call with `streaming=true`, so tokens come
-back as the engine makes them and closing the stream (client gone, deadline, stop string)
-cancels the request inside Triton, which frees its KV blocks. Errors become the sidecar's error
-types here and nowhere else.
+back as the engine makes them. A request the sidecar no longer wants (client gone, stop string)
+is ended the way TensorRT-LLM's own clients end one: a `stop` request with the same id on the
+same stream, then a clean close once the engine has answered both; only a stream that stays
+silent is cancelled outright. Either way the engine frees the request's KV blocks. Errors
+become the sidecar's error types here and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import numpy as np
@@ -28,6 +30,8 @@ from scheduler_svc.errors import (
 )
 
 _MAX_MESSAGE = 64 * 1024 * 1024
+# How long a stopped request's stream may take to end cleanly before it is cancelled.
+STOP_GRACE_S = 5.0
 
 
 def _tensor(
@@ -91,6 +95,30 @@ def build_batch_request(
     return request
 
 
+# What the reader of one stream hands on: a response, the call's error, or None at its end.
+_Inbound: TypeAlias = service_pb2.ModelStreamInferResponse | grpc.aio.AioRpcError | None
+
+
+async def _pump(call: Any, inbox: asyncio.Queue[_Inbound]) -> None:
+    try:
+        async for response in call:
+            inbox.put_nowait(response)
+        inbox.put_nowait(None)
+    except grpc.aio.AioRpcError as exc:
+        inbox.put_nowait(exc)
+
+
+def build_stop_request(model: str, request_id: str) -> service_pb2.ModelInferRequest:
+    """TensorRT-LLM's `stop`: ends the in-flight request with the same id. The contract's
+    required inputs ride along; the engine ignores them."""
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    _tensor(request, "input_ids", "INT32", np.asarray([[0]], dtype="<i4"))
+    _tensor(request, "input_lengths", "INT32", np.asarray([[1]], dtype="<i4"))
+    _tensor(request, "request_output_len", "INT32", np.asarray([[1]], dtype="<i4"))
+    _tensor(request, "stop", "BOOL", np.asarray([[True]], dtype=np.bool_))
+    return request
+
+
 def batch_index(response: service_pb2.ModelInferResponse) -> int:
     """Which row of a multi-row request a response belongs to (0 when absent)."""
     for index, tensor in enumerate(response.outputs):
@@ -124,6 +152,7 @@ class TritonBackend:
         self.cfg = cfg
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._readers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(
@@ -222,19 +251,37 @@ class TritonBackend:
     async def _responses(
         self, message: service_pb2.ModelInferRequest, timeout_s: float | None
     ) -> AsyncGenerator[tuple[int, list[int]], None]:
-        done = asyncio.Event()
+        outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
+        outbox.put_nowait(message)
 
         async def requests() -> AsyncIterator[service_pb2.ModelInferRequest]:
-            yield message
-            await done.wait()  # keep our side open until the answer is complete
+            # Our side stays open until the answer is complete (None closes it).
+            while (item := await outbox.get()) is not None:
+                yield item
 
         call = self.stub.ModelStreamInfer(requests(), timeout=timeout_s)
+        # A read that is cancelled cancels the whole call inside gRPC, so the call is read by a
+        # task of its own: a client that goes away cancels only our wait on `inbox`, and the
+        # request can still be ended with a `stop`.
+        inbox: asyncio.Queue[_Inbound] = asyncio.Queue()
+        reader = asyncio.create_task(_pump(call, inbox))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
         finished = False
+        broken = False
         try:
-            async for response in call:
-                if response.error_message:
-                    raise from_backend_message(response.error_message)
-                infer = response.infer_response
+            while True:
+                item = await inbox.get()
+                if isinstance(item, grpc.aio.AioRpcError):
+                    broken = True
+                    raise from_backend_status(item.code(), item.details() or "")
+                if item is None:
+                    broken = True
+                    raise BackendFailedError("Triton closed the stream before the final response")
+                if item.error_message:
+                    finished = True  # an error is the engine's last word on a request
+                    raise from_backend_message(item.error_message)
+                infer = item.infer_response
                 ids = output_ids(infer)
                 final = is_final(infer)
                 if ids:
@@ -242,10 +289,38 @@ class TritonBackend:
                 if final:
                     finished = True
                     return
-            raise BackendFailedError("Triton closed the stream before the final response")
-        except grpc.aio.AioRpcError as exc:
-            raise from_backend_status(exc.code(), exc.details() or "") from None
         finally:
-            done.set()
-            if not finished:
-                call.cancel()
+            ended_cleanly = finished
+            try:
+                if not finished and not broken:
+                    ended_cleanly = await self._stop(outbox, inbox, message.id)
+            finally:
+                outbox.put_nowait(None)  # close our side; the stream then ends by itself
+                if not ended_cleanly:
+                    call.cancel()
+
+    async def _stop(
+        self,
+        outbox: asyncio.Queue[service_pb2.ModelInferRequest | None],
+        inbox: asyncio.Queue[_Inbound],
+        request_id: str,
+    ) -> bool:
+        """End an unfinished request with a `stop` and wait (briefly) for the engine to answer
+        both it and the stopped request, so the stream can close with nothing in flight.
+        Returns whether it did."""
+        outbox.put_nowait(build_stop_request(self.cfg.engine_model, request_id))
+
+        async def two_finals() -> bool:
+            finals = 0
+            while finals < 2:
+                item = await inbox.get()
+                if item is None or isinstance(item, grpc.aio.AioRpcError):
+                    return False
+                if item.error_message or is_final(item.infer_response):
+                    finals += 1
+            return True
+
+        try:
+            return await asyncio.wait_for(two_finals(), STOP_GRACE_S)
+        except TimeoutError:
+            return False

@@ -90,6 +90,10 @@ class TokenCounts:
     generation_processed: int = 0
     generation_useful: int = 0
     paused_total: int = 0
+    # Requests ended before they were done, by how: a `stop`, a client cancellation, a failure.
+    stopped_total: int = 0
+    cancelled_total: int = 0
+    failed_total: int = 0
 
 
 class Batcher:
@@ -208,6 +212,12 @@ class Batcher:
         request = self._requests.get(key)
         if request is None:
             return None
+        if reason == FinishReason.STOPPED:
+            self.counts.stopped_total += 1
+        elif reason == FinishReason.CANCELLED:
+            self.counts.cancelled_total += 1
+        else:
+            self.counts.failed_total += 1
         for seq in request.rows:
             if seq.done:
                 continue

@@ -8,6 +8,9 @@ each row's output to the `Sink`, which speaks the server's protocol (Triton, or 
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +29,11 @@ from scheduler_svc.engine.request import (
 )
 
 _IDLE_POLL_S = 0.05
+# A turn of the loop takes one forward pass at most (well under a second here); one that has
+# not come round for this long is stuck, and the watchdog writes every thread's stack out.
+_STALL_S = 15.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,13 @@ class Engine:
         self._published: EngineStats | None = None
         self._last_plan = Plan(())
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._beat = time.monotonic()
+        self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
 
     def start(self) -> None:
         self._runner = self._runner_factory()
         self._thread.start()
+        self._watchdog.start()
 
     def submit(
         self,
@@ -135,16 +146,36 @@ class Engine:
             try:
                 self._turn()
             except Exception as exc:  # the loop must outlive any one failure
+                log.exception("engine loop failed; failing every request in flight")
                 self._fail_everything(EngineError(f"engine loop failed: {exc!r}"))
                 time.sleep(_IDLE_POLL_S)
         self._fail_everything(EngineError("the engine is shutting down"))
 
+    def _watch(self) -> None:
+        """Report a loop that stopped turning (blocked in a call into the server, or dead)."""
+        reported = False
+        while not self._closing:
+            time.sleep(1.0)
+            stalled_s = time.monotonic() - self._beat
+            if stalled_s < _STALL_S:
+                reported = False
+            elif not reported:
+                reported = True
+                alive = self._thread.is_alive()
+                log.error(
+                    "engine loop has not turned for %.0f s (thread %s); stacks follow",
+                    stalled_s,
+                    "alive" if alive else "dead",
+                )
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
     def _turn(self) -> None:
         """One pass of the loop: intake, plan, run, deliver."""
+        self._beat = time.monotonic()
         with self._lock:
             in_flight = self._batcher.requests
         # Asking the server about clients is I/O: never done while holding the lock.
-        gone = {r.key for r in in_flight if self._sink.is_cancelled(r)}
+        gone = {r.key for r in in_flight if self._client_gone(r)}
         with self._wake:
             if self._closing:
                 return
@@ -176,6 +207,26 @@ class Engine:
         self._deliver(updates)
         self._maybe_publish(force=False)
 
+    def _client_gone(self, request: EngineRequest) -> bool:
+        try:
+            return self._sink.is_cancelled(request)
+        except Exception:  # a request the server cannot tell us about is one nobody awaits
+            log.exception("could not ask whether request %s was cancelled; ending it", request.key)
+            return True
+
+    def _guard(self, request: EngineRequest, call: Callable[..., None], *args: object) -> bool:
+        """Hand one answer to the sink. One request the sink cannot answer (its client or its
+        server side is gone) must not stop the loop: that request is ended and its blocks freed,
+        and everyone else carries on. Returns whether the answer went out."""
+        try:
+            call(request, *args)
+            return True
+        except Exception:
+            log.exception("could not answer request %s; ending it", request.key)
+            with self._lock:
+                self._batcher.cancel(request.key, FinishReason.FAILED)
+            return False
+
     def _apply_stops_and_cancels(self, gone: set[str]) -> list[tuple[EngineRequest, FinishReason]]:
         """End stopped requests and those whose client went away; caller holds the lock."""
         ended: list[tuple[EngineRequest, FinishReason]] = []
@@ -193,9 +244,11 @@ class Engine:
             if reason == FinishReason.STOPPED and not request.streaming and pending:
                 # A stopped non-streaming request still gets what it produced so far.
                 for i, seq in enumerate(pending):
-                    self._sink.emit(request, seq, list(seq.generated), i == len(pending) - 1)
+                    final = i == len(pending) - 1
+                    if not self._guard(request, self._sink.emit, seq, list(seq.generated), final):
+                        break
             else:
-                self._sink.close(request)
+                self._guard(request, self._sink.close)
 
     def _deliver(self, updates: list[Update]) -> None:
         by_request: dict[str, list[Update]] = {}
@@ -211,7 +264,8 @@ class Engine:
                 messages = [(batch[-1].seq, [])]  # a final answer must carry the FINAL flag
             for i, (seq, tokens) in enumerate(messages):
                 final = request.done and i == len(messages) - 1
-                self._sink.emit(request, seq, tokens, final)
+                if not self._guard(request, self._sink.emit, seq, tokens, final):
+                    break
 
     def _fail_everything(self, error: EngineError) -> None:
         with self._lock:
@@ -219,7 +273,10 @@ class Engine:
             for request in requests:
                 self._batcher.cancel(request.key, FinishReason.FAILED)
         for request in requests:
-            self._sink.fail(request, error)
+            try:
+                self._sink.fail(request, error)
+            except Exception:  # already ended above; nothing more can be said to it
+                log.exception("could not fail request %s", request.key)
 
     def _maybe_publish(self, force: bool) -> None:
         now = time.monotonic()
@@ -230,7 +287,10 @@ class Engine:
             return
         self._last_publish = now
         self._published = stats
-        self._sink.publish(stats)
+        try:
+            self._sink.publish(stats)
+        except Exception:  # statistics are not worth a request
+            log.exception("could not publish engine statistics")
 
     def _stats(self) -> EngineStats:
         batcher, plan = self._batcher, self._last_plan

@@ -117,4 +117,9 @@ def kv_pool_back_to_free() -> Iterator[None]:
         if not server.running:
             continue
         for model in sorted(engine_models(scrape(server.metrics_url))):
-            wait_engine_idle(server.metrics_url, model)
+            try:
+                wait_engine_idle(server.metrics_url, model)
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{exc}\nlast Triton log lines:\n{server.log_tail(60)}"
+                ) from None

@@ -19,7 +19,7 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, STORY, tokens, tokens_of_length
-from tests.integration.sidecar import SidecarProcess
+from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import (
     engine_metric,
     engine_request,
@@ -32,6 +32,15 @@ from tests.integration.tritonio import (
 
 ENGINE = "tensorrt_llm"
 USEFUL = "scheduler_svc_engine_tokens_total"
+
+
+def ended_early(triton: TritonServer, how: str) -> float:
+    return engine_metric(
+        scrape(triton.metrics_url),
+        "scheduler_svc_engine_requests_ended_early_total",
+        ENGINE,
+        how=how,
+    )
 
 
 def useful_tokens(triton: TritonServer) -> float:
@@ -136,6 +145,7 @@ def test_client_cancellation_mid_stream_frees_engine_blocks(
     sidecar: SidecarProcess, triton: TritonServer
 ) -> None:
     before = useful_tokens(triton)
+    ended_before = {how: ended_early(triton, how) for how in ("stopped", "cancelled")}
     call = sidecar.scheduler().GenerateStream(pb.GenerateRequest(prompt=STORY, max_tokens=800))
     for received, _chunk in enumerate(call, start=1):
         if received == 3:
@@ -143,6 +153,12 @@ def test_client_cancellation_mid_stream_frees_engine_blocks(
             break
     wait_engine_idle(triton.metrics_url, ENGINE)
     assert useful_tokens(triton) - before < 100  # stopped long before its 800 tokens
+    # The sidecar ended it with TensorRT-LLM's `stop`, not by cancelling the Triton stream.
+    eventually(
+        lambda: ended_early(triton, "stopped") == ended_before["stopped"] + 1,
+        "the engine counts one stopped request",
+    )
+    assert ended_early(triton, "cancelled") == ended_before["cancelled"]
     sidecar.wait_for_events(
         "request end", lambda ends: any(e["outcome"] == "cancelled" for e in ends)
     )

@@ -47,11 +47,21 @@ class RecordingSink:
     cancelled: set[str] = field(default_factory=set)
     changed: threading.Condition = field(default_factory=threading.Condition)
     stats: EngineStats | None = None
+    broken: set[str] = field(default_factory=set)  # requests whose answers cannot be sent
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+    def _check(self, request: EngineRequest, what: str) -> None:
+        if request.key in self.broken:
+            with self.changed:
+                self.refused.append((request.key, what))
+                self.changed.notify_all()
+            raise RuntimeError(f"the response sender of {request.key} is gone")
 
     def _end(self, key: str, how: str) -> None:
         self.ends.setdefault(key, []).append(how)
 
     def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
+        self._check(request, "emit")
         with self.changed:
             self.messages.append((request.key, seq.row, tokens, final))
             if final:
@@ -64,11 +74,14 @@ class RecordingSink:
             self.changed.notify_all()
 
     def fail(self, request: EngineRequest, error: EngineError) -> None:
+        self._check(request, "fail")
         with self.changed:
             self._end(request.key, f"fail: {error}")
             self.changed.notify_all()
 
     def is_cancelled(self, request: EngineRequest) -> bool:
+        if request.key == "unknowable":
+            raise RuntimeError("cannot reach the server")
         return request.key in self.cancelled
 
     def publish(self, stats: EngineStats) -> None:
@@ -172,4 +185,55 @@ def test_a_failing_step_ends_every_request_once_and_the_loop_goes_on(
     runner.allow(1)
     sink.wait_for(lambda: "next" in sink.ends)
     assert sink.ends["next"] == ["final"]
+    sink.wait_for(lambda: sink.stats is not None and sink.stats.kv_used_blocks == 0)
+
+
+def test_a_request_that_cannot_be_answered_is_ended_and_the_others_go_on(
+    loop: tuple[Engine, SteppedRunner, RecordingSink],
+) -> None:
+    engine, runner, sink = loop
+    sink.broken.add("lost")
+    submit(engine, "lost", (4, 50), streaming=True)
+    submit(engine, "kept", (4, 3), streaming=True)
+    runner.allow(3)
+    sink.wait_for(lambda: "kept" in sink.ends)
+    assert sink.ends == {"kept": ["final"]}
+    assert sink.refused == [("lost", "emit")]  # asked once, then dropped
+    assert [m for m in sink.messages if m[0] == "kept"] == [
+        ("kept", 0, [100], False),
+        ("kept", 0, [101], False),
+        ("kept", 0, [102], True),
+    ]
+    sink.wait_for(
+        lambda: (
+            sink.stats is not None
+            and sink.stats.kv_used_blocks == 0
+            and sink.stats.active_requests == 0
+        )
+    )
+
+
+def test_a_failing_loop_that_cannot_fail_its_requests_still_frees_them(
+    loop: tuple[Engine, SteppedRunner, RecordingSink],
+) -> None:
+    engine, runner, sink = loop
+    sink.broken.add("mute")
+    submit(engine, "mute", (4, 5), streaming=False)
+    runner.fail_next = True
+    runner.allow(1)
+    sink.wait_for(lambda: ("mute", "fail") in sink.refused)
+    submit(engine, "next", (4, 1), streaming=False)
+    runner.allow(1)
+    sink.wait_for(lambda: "next" in sink.ends)
+    assert sink.ends == {"next": ["final"]}
+    sink.wait_for(lambda: sink.stats is not None and sink.stats.kv_used_blocks == 0)
+
+
+def test_a_request_whose_client_cannot_be_asked_about_is_ended(
+    loop: tuple[Engine, SteppedRunner, RecordingSink],
+) -> None:
+    engine, _runner, sink = loop
+    submit(engine, "unknowable", (4, 50), streaming=True)
+    sink.wait_for(lambda: "unknowable" in sink.ends)
+    assert sink.ends["unknowable"] == ["close"]
     sink.wait_for(lambda: sink.stats is not None and sink.stats.kv_used_blocks == 0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -111,6 +113,16 @@ class _Metrics:
             "Requests the CPU reference engine paused to free KV blocks",
             counter,
         ).Metric(labels=labels)
+        ended = new_family(
+            "scheduler_svc_engine_requests_ended_early_total",
+            "Requests the CPU reference engine ended before they were done, by how: "
+            "a stop request, a client cancellation, or a failure",
+            counter,
+        )
+        self.ended = {
+            how: ended.Metric(labels={"how": how, **labels})
+            for how in ("stopped", "cancelled", "failed")
+        }
         self._last: dict[str, int] = {}
         self._shown: dict[int, float] = {}
 
@@ -148,6 +160,9 @@ class _Metrics:
         ):
             self._bump(self.tokens[key], "/".join(key), value)
         self._bump(self.paused_total, "paused", c.paused_total)
+        self._bump(self.ended["stopped"], "stopped", c.stopped_total)
+        self._bump(self.ended["cancelled"], "cancelled", c.cancelled_total)
+        self._bump(self.ended["failed"], "failed", c.failed_total)
 
     def _set(self, metric: Any, value: float) -> None:
         """Set a gauge only when it changed: each set is a round trip to the Triton process."""
@@ -162,6 +177,18 @@ class _Metrics:
         self._last[name] = total
 
 
+def _log_to_stderr() -> None:
+    """The engine's own warnings go to stderr, which is Triton's log: through a plain file,
+    so a report about a stuck call into the server cannot itself wait on that server."""
+    logger = logging.getLogger("scheduler_svc.engine")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("reference engine %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         model_config = json.loads(args["model_config"])
@@ -169,6 +196,7 @@ class TritonPythonModel:
             key: value["string_value"] for key, value in model_config.get("parameters", {}).items()
         }
         self.cfg = EngineConfig.from_parameters(params)
+        _log_to_stderr()
         self.metrics = _Metrics(self.cfg, args["model_name"], args["model_version"])
         self._ids = itertools.count()
         self._by_triton_id: dict[str, set[str]] = {}
