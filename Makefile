@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[engine,triton,dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[engine,triton,dev,bench]'
 	@touch $(STAMP)
 
 $(TOOLS): $(STAMP)

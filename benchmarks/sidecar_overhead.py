@@ -20,9 +20,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,36 +33,13 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.backends.triton import build_request, is_final
+from scheduler_svc.bench.live import start_sidecar
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Summarise the status of the cluster in one word, please."
 Call = Callable[[], Awaitable[None]]
-
-
-def start_sidecar(
-    triton_url: str, log_path: Path, config: Path | None = None
-) -> tuple[subprocess.Popen[str], str]:
-    """Start `scheduler-svc serve`; its JSON log (one line per request) goes to `log_path`."""
-    command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--triton-url", triton_url]
-    command += ["--port", "0", "--host", "127.0.0.1"]
-    if config is not None:
-        command += ["--config", str(config)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    for line in stdout:
-        event = json.loads(line)
-        if event.get("event") == "sidecar ready":
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            # Keep the pipe drained so the sidecar never blocks on its own log.
-            copier = threading.Thread(
-                target=lambda: log_path.write_text("".join(stdout)), daemon=True
-            )
-            copier.start()
-            return proc, f"127.0.0.1:{event['port']}"
-    raise RuntimeError("the sidecar did not start")
 
 
 def _text_inputs(max_tokens: int) -> list[grpcaio.InferInput]:

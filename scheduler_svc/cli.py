@@ -16,6 +16,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -174,6 +175,21 @@ def _run(args: argparse.Namespace) -> int:
 
 
 GOLDEN_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "sim_golden.json"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from scheduler_svc.bench import plan, run  # noqa: PLC0415 - only this command needs it
+
+    chosen = plan.QUICK if args.quick else plan.FULL
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out_dir = Path(args.out) if args.out else Path("results") / "bench" / f"{chosen.name}-{stamp}"
+    command = "scheduler-svc bench" + (" --quick" if args.quick else "")
+    if args.seed:
+        command += f" --seed {args.seed}"
+    results = run.run(chosen, out_dir, seed=args.seed, command=command)
+    print((out_dir / "results.md").read_text())
+    print(f"wrote {out_dir}/results.json, results.md and {len(results['plots'])} plots")
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -342,6 +358,17 @@ def _add_tool_commands(commands: Any) -> None:
         "--write-golden", action="store_true", help="regenerate tests/data/sim_golden.json"
     )
     sim.set_defaults(func=_simulate)
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure Triton alone against the sidecar (FIFO and policy) on the embedded stack",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="one mix, two loads, the burst (<3 min)"
+    )
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", help="results folder (default: results/bench/<plan>-<time>)")
+    bench.set_defaults(func=_bench)
 
     repo = commands.add_parser("model-repo", help="render or check a Triton model repository")
     repo_commands = repo.add_subparsers(dest="repo_command", required=True)

@@ -159,3 +159,22 @@ def check(repo: Path) -> list[Problem]:
     """Everything wrong with a repository that can be known without starting Triton."""
     configs, problems = load_configs(repo)
     return problems + check_ensembles(configs)
+
+
+def copy_engine_variant(
+    src: Path, dst_repo: Path, name: str, overrides: Mapping[str, str], extra: str = ""
+) -> Path:
+    """Copy the engine model at `src` into `dst_repo` as `name`, with some of its `parameters`
+    given new values and `extra` appended to its config (a `dynamic_batching` block, say).
+    A parameter that the config does not have is refused."""
+    dst = dst_repo / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (dst / "config.pbtxt").read_text()
+    config = re.sub(r'^name: ".*"$', f'name: "{name}"', config, count=1, flags=re.M)
+    for key, value in overrides.items():
+        pattern = rf'(key: "{key}"\s+value: {{ string_value: )"[^"]*"'
+        config, count = re.subn(pattern, rf'\1"{value}"', config)
+        if count != 1:
+            raise ConfigError(f"{src / 'config.pbtxt'}: no parameter {key!r} to override")
+    (dst / "config.pbtxt").write_text(config + extra)
+    return dst

@@ -155,6 +155,10 @@ class PolicyConfig:
     degrade_max_tokens: int | None = None  # else: retry timed-out hot requests this short
     elastic_backend: bool = False  # an overflow pool exists for cold requests
     retry_after_s: float = 0.5  # the hint sent with a rejection
+    # The engine batches per iteration (TensorRT-LLM's in-flight batching): a request joins the
+    # running batch at the next step, so holding a bucket back to fill it, or to keep it whole,
+    # only adds waiting. Buckets are then ready at once and go in part as room frees.
+    continuous_batching: bool = False
 
     def __post_init__(self) -> None:
         _check(len(self.lanes) >= 1, "lanes", "need at least one lane")

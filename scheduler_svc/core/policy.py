@@ -10,7 +10,9 @@ capacity is kept for it), and finally shares what is left between lanes by defic
 on tokens (prompt + predicted output), work-conserving: a lane with nothing ready lends its share.
 A bucket goes whole (up to its lane's max batch) once the KV mirror and the backend's sequence
 limit can hold it; it goes in part only when nothing is running, or when it holds a promoted
-request.
+request. For an engine with continuous (in-flight) batching (`continuous_batching`), buckets are
+ready as soon as they are formed and go in part whenever there is room: the engine merges rows
+into its running batch at every step, so waiting to fill or keep a batch only adds latency.
 
 Invariants (tests/unit/test_policy.py's state machine):
 - every submitted request ends in exactly one of: rejected at submission, expired, cancelled,
@@ -185,7 +187,9 @@ class PolicyScheduler:
         queue = self.lanes[lane]
         bucket = queue.add(entry, now)
         self._queued[entry.request_id] = (lane, entry)
-        if len(bucket.members) == 1 and not bucket.ready:
+        if self.config.continuous_batching:
+            queue.mark_ready(bucket)
+        elif len(bucket.members) == 1 and not bucket.ready:
             self._timer(now + queue.config.batch_timeout_s, _Timer(_BATCH, lane, bucket=bucket))
         if queue.config.queue_timeout_s is not None:
             when = now + queue.config.queue_timeout_s
@@ -390,9 +394,11 @@ class PolicyScheduler:
             head, max_batch = heads[name], self.lanes[name].config.max_batch
             entries = self._fits(head, max_batch)
             whole = min(len(head.members), max_batch)
-            if not entries or (len(entries) < whole and self._rows_in_flight > 0):
+            partial = len(entries) < whole and self._rows_in_flight > 0
+            if not entries or (partial and not self.config.continuous_batching):
                 # Keep a batch whole while running requests will free room for all of it; go
-                # in part only when nothing runs (waiting could not help).
+                # in part only when nothing runs (waiting could not help), or when the engine
+                # batches continuously anyway.
                 blocked.add(name)
                 continue
             self.shares.charge(name, self._release(name, entries, out))

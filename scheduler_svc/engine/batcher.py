@@ -124,6 +124,11 @@ class Batcher:
         return len(self._running)
 
     @property
+    def cached_tokens(self) -> int:
+        """Token slots holding valid keys (pad slots included), over every running sequence."""
+        return sum(seq.num_cached for seq in self._running)
+
+    @property
     def running_ids(self) -> set[int]:
         """Sequences holding KV blocks (a static batch's finished rows included)."""
         return {seq.seq_id for seq in self._running}

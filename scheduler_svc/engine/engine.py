@@ -44,6 +44,7 @@ class EngineStats:
     kv_free_blocks: int
     kv_used_blocks: int
     tokens_per_block: int
+    kv_cached_tokens: int  # slots holding valid keys; the rest of the used blocks is unused
     active_requests: int
     max_requests: int
     scheduled_requests: int
@@ -299,6 +300,7 @@ class Engine:
             kv_free_blocks=batcher.pool.num_free,
             kv_used_blocks=batcher.pool.num_used,
             tokens_per_block=batcher.pool.tokens_per_block,
+            kv_cached_tokens=batcher.cached_tokens,
             active_requests=batcher.num_running,
             max_requests=self.cfg.max_num_sequences,
             scheduled_requests=len(plan.works),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -154,6 +155,14 @@ class Sidecar:
             strategy = await self.backend.first.batching_strategy()
             mode = "batch" if strategy is not None and strategy.lower() == "v1" else "wave"
         self.service.set_dispatch(mode)
+        scheduler = self.dispatcher.scheduler
+        if isinstance(scheduler, PolicyScheduler) and "continuous_batching" not in self.cfg.policy:
+            # An in-flight engine takes rows at every step: buckets need not wait or stay whole.
+            continuous = strategy.lower() != "v1" if strategy is not None else mode == "wave"
+            if scheduler.config.continuous_batching != continuous:
+                # Before the dispatcher's task starts, so nothing else touches the core yet.
+                new = replace(scheduler.config, continuous_batching=continuous)
+                scheduler.reconfigure(new, self.dispatcher.clock())
         log.info("dispatch mode", mode=mode, engine_batching=strategy)
 
     async def _first_kv_reading(self) -> None:

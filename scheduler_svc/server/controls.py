@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,11 @@ class SidecarControls:
         try:
             fresh = load_config(path, overrides)
             self._policy()
-            await self.apply(fresh.policy_config())
+            new = fresh.policy_config()
+            if "continuous_batching" not in fresh.policy:  # derived from the engine at start
+                running = self._policy().config.continuous_batching
+                new = replace(new, continuous_batching=running)
+            await self.apply(new)
         except (ConfigError, BadRequestError) as exc:
             log.error("config reload refused; the running policy stays", error=str(exc))
 

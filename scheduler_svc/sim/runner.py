@@ -99,7 +99,7 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
             max_seq_len=cost.max_seq_len,
             max_in_flight=rows,
         )
-        return PolicyScheduler(PolicyConfig(kv=kv))
+        return PolicyScheduler(PolicyConfig(kv=kv, continuous_batching=engine == "inflight"))
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from scheduler_svc.modelrepo import copy_engine_variant
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
@@ -39,17 +38,7 @@ _started: list[TritonServer] = []
 
 def render_engine(dst_repo: Path, name: str, overrides: dict[str, str]) -> None:
     """Copy the CPU engine model under a new name with some parameters changed."""
-    src = CPU_REPO / "tensorrt_llm"
-    dst = dst_repo / name
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    config = (dst / "config.pbtxt").read_text()
-    config = re.sub(r'^name: ".*"$', f'name: "{name}"', config, count=1, flags=re.M)
-    for key, value in overrides.items():
-        pattern = rf'(key: "{key}"\s+value: {{ string_value: )"[^"]*"'
-        config, count = re.subn(pattern, rf'\1"{value}"', config)
-        if count != 1:
-            raise AssertionError(f"parameter {key} not found in the engine config")
-    (dst / "config.pbtxt").write_text(config)
+    copy_engine_variant(CPU_REPO / "tensorrt_llm", dst_repo, name, overrides)
 
 
 def _start(repo: Path, log_path: Path) -> TritonServer:

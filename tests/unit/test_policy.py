@@ -68,6 +68,21 @@ def test_a_full_bucket_goes_at_once_and_a_partial_one_after_its_timeout() -> Non
     assert dispatched(policy.schedule(0.05)) == ["late"]
 
 
+def test_continuous_batching_sends_at_once_and_in_part_while_others_run() -> None:
+    config = PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=4))
+    held = PolicyScheduler(config)
+    flowing = PolicyScheduler(replace(config, continuous_batching=True))
+    for policy in (held, flowing):
+        policy.submit(req("first", 100), 0.0)
+    assert dispatched(held.schedule(0.0)) == []  # a static engine's bucket waits to fill
+    assert dispatched(flowing.schedule(0.0)) == ["first"]  # an in-flight engine takes it now
+    for i in range(6):  # one bucket of six while one row runs and three are free
+        flowing.submit(req(f"h{i}", 100), 0.01)
+    assert len(dispatched(flowing.schedule(0.01))) == 3  # in part: as many as fit
+    flowing.on_done("first", 0.02, 10)
+    assert len(dispatched(flowing.schedule(0.02))) == 1
+
+
 def test_batches_keep_the_length_ratio_and_join_where_padding_is_least() -> None:
     policy = PolicyScheduler()
     for rid, n in [("a", 100), ("b", 140), ("c", 160), ("d", 240), ("e", 150)]:
@@ -347,6 +362,11 @@ class PolicyMachine(RuleBasedStateMachine):
                     o for o in overdue if o.arrived_at <= entry.arrived_at and not fits(o)
                 ]
                 assert blocked_older, f"{entry.request_id} overdue with room free"
+
+    @rule(continuous=st.booleans())
+    def engine_batching(self, continuous: bool) -> None:
+        self.config = replace(self.config, continuous_batching=continuous)
+        self.policy.reconfigure(self.config, self.now)
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), used=st.integers(0, 500), cancel=st.booleans())

@@ -123,6 +123,11 @@ class _Metrics:
             how: ended.Metric(labels={"how": how, **labels})
             for how in ("stopped", "cancelled", "failed")
         }
+        self.cached_tokens = new_family(
+            "scheduler_svc_engine_kv_cached_tokens",
+            "Token slots of the used KV blocks that hold a key; the rest are allocated but unused",
+            gauge,
+        ).Metric(labels=labels)
         self._last: dict[str, int] = {}
         self._shown: dict[int, float] = {}
 
@@ -139,6 +144,7 @@ class _Metrics:
         self._set(self.kv["free"], s.kv_free_blocks)
         self._set(self.kv["used"], s.kv_used_blocks)
         self._set(self.kv["tokens_per"], s.tokens_per_block)
+        self._set(self.cached_tokens, s.kv_cached_tokens)
         self._set(self.kv["fraction"], s.kv_used_blocks / s.kv_max_blocks)
         if "paused_requests" in self.batcher:
             self._set(self.batcher["total_context_tokens"], s.total_context_tokens)

@@ -1,0 +1,260 @@
+"""What `scheduler-svc bench` runs, and the arithmetic of its results (pure: no I/O, no clock).
+
+The mixes are the simulator's scenarios (`sim/workload.py`) with output lengths cut to what a CPU
+engine can decode in a benchmark's time; prompt lengths are the source document's. Arrival
+times are fixed in advance from a seeded Poisson (or, for the burst, gamma) process at a
+multiple of the rate the engine sustains, measured first (calibration).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from scheduler_svc.sim.report import percentile
+from scheduler_svc.sim.workload import RequestClass, Scenario, SimRequest, generate
+
+TARGETS = ("triton", "fifo", "policy")
+TARGET_NAMES = {
+    "triton": "Triton alone",
+    "fifo": "sidecar FIFO",
+    "policy": "sidecar policy",
+}
+LANES = ("hot", "warm", "cold")
+STATES = ("ok", "rejected_fast", "rejected_queued", "failed")
+LANE_BOUNDS = (256, 1024)  # prompt tokens where warm and cold begin (the source document's)
+# A clean refusal answered within this long counts as fast; later ones waited in a queue first.
+FAST_REJECT_S = 0.05
+# The SLO on time to first token: this many times the lane's unloaded median, at least FLOOR.
+SLO_FACTOR = 5.0
+SLO_FLOOR_S = 0.25
+
+_CHAT = RequestClass(1.0, 128, 16, 255, 24, 48, 0)
+MIXES: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("chat", "short chat, 128 prompt tokens on average", 1.0, 1.0, (_CHAT,)),
+        Scenario(
+            "mixed",
+            "long:short = 1:3",
+            1.0,
+            1.0,
+            (
+                replace(_CHAT, weight=3.0),
+                RequestClass(1.0, 1500, 1024, 3000, 32, 64, 2, spread=0.35),
+            ),
+        ),
+        Scenario(
+            "long_docs",
+            "long documents, 3,856 prompt tokens on average",
+            1.0,
+            1.0,
+            (RequestClass(1.0, 3856, 2048, 4000, 32, 64, 2, spread=0.25),),
+        ),
+        Scenario("burst", "a burst of chat at 10x capacity", 1.0, 1.0, (_CHAT,), burstiness=2.0),
+        Scenario(
+            "spread_8to1",
+            "prompts spread 8:1 (64-512 tokens)",
+            1.0,
+            1.0,
+            (RequestClass(1.0, 180, 64, 512, 24, 48, 1, spread=0.7),),
+        ),
+    )
+}
+# The burst is offered at this multiple of the chat mix's capacity.
+BURST_LOAD = 10.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One (engine, mix, load) point; every target runs it, in turn."""
+
+    engine: str
+    mix: str
+    load: float  # multiple of the mix's calibrated capacity
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    engines: tuple[str, ...]
+    steps: tuple[Step, ...]
+    duration_s: float  # offered-load window of one run
+    burst_s: float
+    calibrate_s: float
+    deadline_s: float  # the client gives up on a request after this long
+    overhead_rounds: int
+
+    def mixes(self, engine: str) -> list[str]:
+        """Mixes to calibrate on `engine` (the burst is offered at the chat mix's rate)."""
+        out: list[str] = []
+        for step in self.steps:
+            mix = "chat" if step.mix == "burst" else step.mix
+            if step.engine == engine and mix not in out:
+                out.append(mix)
+        return out
+
+
+def _grid(engine: str, mixes: Iterable[str], loads: Iterable[float]) -> list[Step]:
+    return [Step(engine, mix, load) for mix in mixes for load in loads]
+
+
+QUICK = Plan(
+    "quick",
+    ("inflight",),
+    (*_grid("inflight", ["mixed"], [0.5, 1.2]), Step("inflight", "burst", BURST_LOAD)),
+    duration_s=5.0,
+    burst_s=1.0,
+    calibrate_s=5.0,
+    deadline_s=15.0,
+    overhead_rounds=15,
+)
+FULL = Plan(
+    "full",
+    ("inflight", "static"),
+    tuple(
+        _grid("inflight", ["chat", "mixed", "spread_8to1"], [0.5, 0.8, 1.0, 1.2])
+        + _grid("inflight", ["long_docs"], [0.8, 1.2])
+        + [Step("inflight", "burst", BURST_LOAD)]
+        + _grid("static", ["mixed", "spread_8to1"], [0.8, 1.2])
+    ),
+    duration_s=12.0,
+    burst_s=2.0,
+    calibrate_s=10.0,
+    deadline_s=30.0,
+    overhead_rounds=60,
+)
+PLANS = {p.name: p for p in (QUICK, FULL)}
+
+
+def lane_of(prompt_tokens: int) -> str:
+    warm, cold = LANE_BOUNDS
+    return "hot" if prompt_tokens < warm else "warm" if prompt_tokens < cold else "cold"
+
+
+def schedule(mix: str, rate: float, duration_s: float, seed: int) -> list[SimRequest]:
+    """The run's requests, arrival times fixed in advance (open loop)."""
+    if rate <= 0 or duration_s <= 0:
+        raise ValueError(f"rate and duration must be > 0 (got {rate}, {duration_s})")
+    scenario = replace(MIXES[mix], duration_s=duration_s)
+    return generate(scenario, seed, qps=rate)
+
+
+@dataclass
+class Outcome:
+    """What one request got, as the client saw it (times in seconds from its send)."""
+
+    lane: str
+    prompt_tokens: int
+    state: str = "pending"  # ok | rejected_fast | rejected_queued | failed
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tokens: int = 0
+    send_lag_s: float = 0.0  # how late the client sent it against the schedule
+    error: str = ""
+
+
+def classify_error(elapsed_s: float, got_tokens: bool, refusal: bool) -> str:
+    """A clean refusal (overload, queue full, queue timeout) before any token is a rejection,
+    fast if answered within FAST_REJECT_S; anything else after acceptance is a failure."""
+    if refusal and not got_tokens:
+        return "rejected_fast" if elapsed_s <= FAST_REJECT_S else "rejected_queued"
+    return "failed"
+
+
+def sustained_rate(finished_s: Sequence[float], window_s: float) -> float:
+    """Completions per second in steady state: those that finished inside the window, after
+    its first fifth (the ramp-up, when the engine is still filling)."""
+    if window_s <= 0:
+        raise ValueError("window_s must be > 0")
+    warmup = window_s / 5
+    inside = [t for t in finished_s if warmup < t <= window_s]
+    return round(len(inside) / (window_s - warmup), 3)
+
+
+def slo_ttft(unloaded_ttft_s: dict[str, float]) -> dict[str, float]:
+    """Per-lane SLO on time to first token, from the unloaded medians measured in calibration;
+    a lane with no unloaded figure borrows the largest measured one."""
+    fallback = max(unloaded_ttft_s.values()) if unloaded_ttft_s else SLO_FLOOR_S
+    return {
+        lane: max(SLO_FLOOR_S, SLO_FACTOR * unloaded_ttft_s.get(lane, fallback)) for lane in LANES
+    }
+
+
+def within_slo(o: Outcome, slo: dict[str, float]) -> bool:
+    return o.state == "ok" and o.ttft_s is not None and o.ttft_s <= slo[o.lane]
+
+
+def to_ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+@dataclass
+class EngineDelta:
+    """What the engine's own counters and samples say about one run."""
+
+    processed_tokens: float = 0.0
+    useful_tokens: float = 0.0
+    occupancy: list[float] = field(default_factory=list)  # active / max sequences, sampled
+    fragmentation: list[float] = field(default_factory=list)  # sampled while blocks were held
+
+    def padding(self) -> float | None:
+        if self.processed_tokens <= 0:
+            return None
+        return round(1 - self.useful_tokens / self.processed_tokens, 4)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def summarize(
+    outcomes: Sequence[Outcome],
+    window_s: float,
+    slo: dict[str, float],
+    engine: EngineDelta,
+) -> dict[str, Any]:
+    """Every figure of one run. Rates are per second of the offered window; times in ms."""
+    if window_s <= 0:
+        raise ValueError("window_s must be > 0")
+    ok = [o for o in outcomes if o.state == "ok"]
+    states = {s: sum(o.state == s for o in outcomes) for s in STATES}
+    lanes: dict[str, Any] = {}
+    for lane in LANES:
+        mine = [o for o in outcomes if o.lane == lane]
+        if not mine:
+            continue
+        served = [o for o in mine if o.state == "ok"]
+        ttft = [o.ttft_s for o in served if o.ttft_s is not None]
+        e2e = [o.e2e_s for o in served if o.e2e_s is not None]
+        lanes[lane] = {
+            "requests": len(mine),
+            "ok": len(served),
+            "within_slo": sum(within_slo(o, slo) for o in mine),
+            "ttft_p50_ms": to_ms(percentile(ttft, 50)),
+            "ttft_p99_ms": to_ms(percentile(ttft, 99)),
+            "e2e_p50_ms": to_ms(percentile(e2e, 50)),
+            "e2e_p99_ms": to_ms(percentile(e2e, 99)),
+        }
+    lags = [o.send_lag_s for o in outcomes]
+    return {
+        "requests": len(outcomes),
+        **states,
+        "goodput_rps": round(sum(within_slo(o, slo) for o in outcomes) / window_s, 3),
+        "throughput_rps": round(len(ok) / window_s, 3),
+        "tokens_per_s": round(sum(o.tokens for o in ok) / window_s, 1),
+        "lanes": lanes,
+        "padding_ratio": engine.padding(),
+        "slot_occupancy": _mean(engine.occupancy),
+        "kv_fragmentation": _mean(engine.fragmentation),
+        "send_lag_p99_ms": to_ms(percentile(lags, 99)),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing or b is zero."""
+    if a is None or b is None or b == 0 or math.isnan(b):
+        return None
+    return round(a / b, 2)

@@ -1,0 +1,247 @@
+"""What `scheduler-svc bench` writes: results.json (every figure and the run's parameters),
+results.md (tables shaped like the source document's) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scheduler_svc.bench.plan import LANES, TARGET_NAMES, TARGETS, ratio
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        text = f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+        return text + unit
+    return f"{value}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def runs_at(results: dict[str, Any], engine: str, mix: str, load: float) -> dict[str, Any]:
+    """The summaries of one step, by target."""
+    return {
+        r["target"]: r["summary"]
+        for r in results["runs"]
+        if r["engine"] == engine and r["mix"] == mix and r["load"] == load
+    }
+
+
+def steps(results: dict[str, Any]) -> list[tuple[str, str, float]]:
+    seen: list[tuple[str, str, float]] = []
+    for r in results["runs"]:
+        key = (r["engine"], r["mix"], r["load"])
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def _lane(summary: dict[str, Any], lane: str, key: str) -> Any:
+    return summary["lanes"].get(lane, {}).get(key)
+
+
+def _worst_lane(summary: dict[str, Any], key: str) -> float | None:
+    values = [v[key] for v in summary["lanes"].values() if v.get(key) is not None]
+    return max(values) if values else None
+
+
+HEADLINE: list[tuple[str, Any, str]] = [
+    ("goodput (req/s within SLO)", lambda s: s["goodput_rps"], ""),
+    ("throughput (req/s served)", lambda s: s["throughput_rps"], ""),
+    ("hot P50 TTFT", lambda s: _lane(s, "hot", "ttft_p50_ms"), " ms"),
+    ("hot P99 TTFT", lambda s: _lane(s, "hot", "ttft_p99_ms"), " ms"),
+    ("worst lane P99 TTFT", lambda s: _worst_lane(s, "ttft_p99_ms"), " ms"),
+    ("worst lane P99 end-to-end", lambda s: _worst_lane(s, "e2e_p99_ms"), " ms"),
+    ("padding (engine)", lambda s: s["padding_ratio"], "%"),
+    ("slot occupancy (engine)", lambda s: s["slot_occupancy"], "%"),
+    ("KV fragmentation (engine)", lambda s: s["kv_fragmentation"], "%"),
+    ("rejected fast", lambda s: s["rejected_fast"], ""),
+    ("rejected after queueing", lambda s: s["rejected_queued"], ""),
+    ("failed after acceptance", lambda s: s["failed"], ""),
+]
+
+
+def headline(results: dict[str, Any], engine: str, mix: str, load: float) -> list[str]:
+    by_target = runs_at(results, engine, mix, load)
+    rows = []
+    for name, get, unit in HEADLINE:
+        values = [get(by_target[t]) if t in by_target else None for t in TARGETS]
+        cells = [_pct(v) if unit == "%" else _fmt(v, unit) for v in values]
+        r = ratio(values[2], values[0]) if unit != "%" else None
+        rows.append([name, *cells, _fmt(r, "×")])
+    header = ["", *(TARGET_NAMES[t] for t in TARGETS), "policy ÷ Triton"]
+    return _table(header, rows)
+
+
+def all_runs(results: dict[str, Any]) -> list[str]:
+    header = [
+        "engine", "mix", "load", "target", "offered/s", "goodput/s", "served/s",
+        *(f"{lane} TTFT p50/p99 ms" for lane in LANES),
+        "e2e p99 ms", "padding", "occupancy", "KV frag", "rej. fast", "rej. queued", "failed",
+    ]  # fmt: skip
+    rows = []
+    for r in results["runs"]:
+        s = r["summary"]
+        lanes = [
+            f"{_fmt(_lane(s, lane, 'ttft_p50_ms'))} / {_fmt(_lane(s, lane, 'ttft_p99_ms'))}"
+            if lane in s["lanes"]
+            else "–"
+            for lane in LANES
+        ]
+        rows.append(
+            [
+                r["engine"], r["mix"], f"{r['load']:g}×", TARGET_NAMES[r["target"]],
+                _fmt(r["offered_rps"]), _fmt(s["goodput_rps"]), _fmt(s["throughput_rps"]),
+                *lanes, _fmt(_worst_lane(s, "e2e_p99_ms")), _pct(s["padding_ratio"]),
+                _pct(s["slot_occupancy"]), _pct(s["kv_fragmentation"]),
+                str(s["rejected_fast"]), str(s["rejected_queued"]), str(s["failed"]),
+            ]
+        )  # fmt: skip
+    return _table(header, rows)
+
+
+def calibration(results: dict[str, Any]) -> list[str]:
+    rows = []
+    for engine, cal in results["calibration"].items():
+        for mix, rps in cal["capacity_rps"].items():
+            ttft = cal["unloaded_ttft_ms"]
+            slo = cal["slo_ttft_ms"]
+            rows.append(
+                [
+                    engine,
+                    mix,
+                    _fmt(rps),
+                    " / ".join(_fmt(ttft.get(lane)) for lane in LANES),
+                    " / ".join(_fmt(slo.get(lane)) for lane in LANES),
+                ]
+            )
+    header = [
+        "engine", "mix", "capacity (req/s)", "unloaded TTFT hot/warm/cold ms", "SLO TTFT ms",
+    ]  # fmt: skip
+    return _table(header, rows)
+
+
+def overhead(results: dict[str, Any]) -> list[str]:
+    o = results["overhead"]
+    rows = [
+        [
+            TARGET_NAMES[t],
+            str(o[t]["n"]),
+            _fmt(o[t]["e2e_p50_ms"], " ms"),
+            _fmt(o[t]["e2e_p99_ms"], " ms"),
+            _fmt(o[t]["added_p50_ms"], " ms"),
+        ]
+        for t in TARGETS
+    ]
+    return _table(["target", "requests", "P50 end-to-end", "P99 end-to-end", "added P50"], rows)
+
+
+def top_load(results: dict[str, Any], engine: str, mix: str) -> float:
+    return max(load for e, m, load in steps(results) if e == engine and m == mix)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    p = results["parameters"]
+    lines = [
+        f"# scheduler-svc bench ({p['plan']})",
+        "",
+        f"`{p['command']}`, seed {p['seed']}, started {p['started_utc']}, took "
+        f"{p['wall_s'] / 60:.1f} min on {p['machine']['cpus']} CPUs "
+        f"({p['machine']['platform']}).",
+        f"SLO: {p['slo']['rule']}; a refusal within {p['slo']['fast_reject_s'] * 1000:.0f} ms "
+        "is fast.",
+        "",
+        "## Calibration",
+        "",
+        *calibration(results),
+        "",
+    ]
+    pairs: list[tuple[str, str]] = []
+    for engine, mix, _ in steps(results):
+        if (engine, mix) not in pairs:
+            pairs.append((engine, mix))
+    for engine, mix in pairs:
+        load = top_load(results, engine, mix)
+        lines += [f"## {mix}, {engine} engine, {load:g}× capacity", ""]
+        lines += [*headline(results, engine, mix, load), ""]
+    lines += ["## Sidecar overhead (short requests, one at a time)", "", *overhead(results), ""]
+    lines += ["## Every run", "", *all_runs(results), ""]
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib  # noqa: PLC0415 - only the plots need it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    written: list[Path] = []
+    pairs = sorted({(e, m) for e, m, _ in steps(results)})
+    for engine, mix in pairs:
+        load = top_load(results, engine, mix)
+        runs = [
+            r
+            for r in results["runs"]
+            if r["engine"] == engine and r["mix"] == mix and r["load"] == load
+        ]
+        lanes = [lane for lane in LANES if any(r["ttft_ms"][lane] for r in runs)]
+        if lanes:
+            fig, axes = plt.subplots(1, len(lanes), figsize=(5 * len(lanes), 4), squeeze=False)
+            for ax, lane in zip(axes[0], lanes, strict=True):
+                for r in runs:
+                    values = r["ttft_ms"][lane]
+                    if values:
+                        ys = [(i + 1) / len(values) for i in range(len(values))]
+                        ax.step(values, ys, where="post", label=TARGET_NAMES[r["target"]])
+                ax.set_xscale("log")
+                ax.set_xlabel("time to first token (ms)")
+                ax.set_ylabel("fraction of served requests")
+                ax.set_title(f"{lane} lane")
+                ax.legend()
+            fig.suptitle(f"TTFT CDF: {mix}, {engine} engine, {load:g}× capacity")
+            fig.tight_layout()
+            path = out_dir / f"cdf_{engine}_{mix}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+        loads = sorted({ld for e, m, ld in steps(results) if e == engine and m == mix})
+        if len(loads) > 1:
+            fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+            for target in TARGETS:
+                summaries = [runs_at(results, engine, mix, ld).get(target) for ld in loads]
+                good = [s["goodput_rps"] if s else None for s in summaries]
+                p99 = [_worst_lane(s, "ttft_p99_ms") if s else None for s in summaries]
+                left.plot(loads, good, marker="o", label=TARGET_NAMES[target])
+                right.plot(loads, p99, marker="o", label=TARGET_NAMES[target])
+            left.set_xlabel("offered load (× capacity)")
+            left.set_ylabel("goodput (req/s within SLO)")
+            right.set_xlabel("offered load (× capacity)")
+            right.set_ylabel("worst lane P99 TTFT (ms)")
+            right.set_yscale("log")
+            left.legend()
+            fig.suptitle(f"{mix}, {engine} engine")
+            fig.tight_layout()
+            path = out_dir / f"load_{engine}_{mix}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def write(results: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = [p.name for p in plots(results, out_dir)]
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    (out_dir / "results.md").write_text(markdown(results) + "\n")

@@ -1,0 +1,269 @@
+"""`scheduler-svc bench`: calibrate, then run every (engine, mix, load) against every target.
+
+Targets take turns within each step, in an order that rotates from step to step, so the drift
+of a noisy machine falls on all of them alike. Between runs the engine is let go idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from scheduler_svc.bench import plan as P  # noqa: N812 - read as the plan's namespace
+from scheduler_svc.bench import report
+from scheduler_svc.bench.live import (
+    MAX_SEQUENCES,
+    BenchRequest,
+    Client,
+    EngineSampler,
+    Prompts,
+    SidecarClient,
+    Stack,
+    TritonClient,
+    closed_loop,
+    engine_model,
+    materialize,
+    open_loop,
+    scrape,
+    stack,
+    unloaded_ttft,
+)
+from scheduler_svc.sim.report import percentile
+from scheduler_svc.sim.workload import SimRequest
+
+IDLE_WAIT_S = 60.0
+
+
+class Progress:
+    """One line on stderr: a bar, the step, and an estimate of the time left."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.started = time.monotonic()
+        self.tty = stream.isatty()
+
+    def show(self, label: str) -> None:
+        width = 24
+        filled = round(width * self.done / self.total) if self.total else width
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / self.done * (self.total - self.done) if self.done else None
+        left = f"~{eta / 60:.1f} min left" if eta is not None else "estimating"
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} ({left})"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        self.show(label)
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _wait_idle(metrics_url: str, model: str) -> None:
+    """Until the engine holds no request (a client's give-up reaches it within an iteration)."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    key = "nv_trt_llm_request_metrics"
+    while time.monotonic() < deadline:
+        samples = scrape(metrics_url)
+        busy = sum(
+            samples.get(
+                (key, frozenset({"model": model, "version": "1", "request_type": t}.items())), 0.0
+            )
+            for t in ("active", "waiting")
+        )
+        if busy == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"engine {model} did not go idle within {IDLE_WAIT_S:.0f} s")
+
+
+def _lane_probe(prompts: Prompts) -> list[BenchRequest]:
+    """Three requests per lane, at lengths typical of the mixes, 8 tokens out."""
+    lengths = {"hot": 128, "warm": 512, "cold": 2048}
+    return [
+        BenchRequest(f"probe-{lane}-{i}", 0.0, prompts.ids(n, offset=101 * i), 8, 1, "probe")
+        for lane, n in lengths.items()
+        for i in range(3)
+    ]
+
+
+async def _calibrate(
+    st: Stack, strategy: str, plan: P.Plan, prompts: Prompts, seed: int
+) -> dict[str, Any]:
+    model = engine_model(strategy)
+    client = TritonClient(st.triton.grpc_url, model)
+    try:
+        ttft = await unloaded_ttft(client, _lane_probe(prompts), plan.deadline_s)
+        capacity: dict[str, float] = {}
+        for mix in plan.mixes(strategy):
+            sim = P.schedule(mix, 20.0, 20.0, seed)
+            requests = materialize(sim, prompts, f"cal-{strategy}-{mix}")
+            finished = await closed_loop(
+                client, requests, MAX_SEQUENCES, plan.calibrate_s, plan.deadline_s
+            )
+            _wait_idle(st.triton.metrics_url, model)
+            capacity[mix] = P.sustained_rate(finished, plan.calibrate_s)
+            if not capacity[mix]:
+                raise RuntimeError(f"calibration: {strategy} engine finished no {mix} request")
+    finally:
+        await client.close()
+    slo = P.slo_ttft(ttft)
+    return {
+        "unloaded_ttft_ms": {lane: round(v * 1000, 1) for lane, v in ttft.items()},
+        "slo_ttft_ms": {lane: round(v * 1000, 1) for lane, v in slo.items()},
+        "capacity_rps": capacity,
+    }
+
+
+async def _overhead(st: Stack, rounds: int, prompts: Prompts) -> dict[str, Any]:
+    """Short requests one at a time, to Triton directly and through each sidecar, interleaved."""
+    clients: dict[str, Client] = {
+        "triton": TritonClient(st.triton.grpc_url, engine_model("inflight")),
+        "fifo": SidecarClient(st.sidecars[("inflight", "fifo")]),
+        "policy": SidecarClient(st.sidecars[("inflight", "policy")]),
+    }
+    e2e: dict[str, list[float]] = {t: [] for t in clients}
+    try:
+        for i in range(rounds):
+            r = BenchRequest(f"overhead-{i}", 0.0, prompts.ids(16, offset=i), 2, 0, "overhead")
+            order = list(clients)[i % 3 :] + list(clients)[: i % 3]
+            for target in order:
+                outcome = await clients[target].send(r, 30.0)
+                if outcome.state == "ok" and outcome.e2e_s is not None:
+                    e2e[target].append(outcome.e2e_s)
+    finally:
+        for c in clients.values():
+            await c.close()
+    out: dict[str, Any] = {"rounds": rounds, "prompt_tokens": 16, "max_tokens": 2}
+    base = statistics.median(e2e["triton"]) if e2e["triton"] else None
+    for target, values in e2e.items():
+        p50 = statistics.median(values) if values else None
+        out[target] = {
+            "n": len(values),
+            "e2e_p50_ms": P.to_ms(p50),
+            "e2e_p99_ms": P.to_ms(percentile(values, 99)),
+            "added_p50_ms": None if p50 is None or base is None else round((p50 - base) * 1000, 2),
+        }
+    return out
+
+
+def _client(st: Stack, strategy: str, target: str) -> Client:
+    if target == "triton":
+        return TritonClient(st.triton.grpc_url, engine_model(strategy))
+    return SidecarClient(st.sidecars[(strategy, target)])
+
+
+async def _one_run(
+    st: Stack, step: P.Step, target: str, requests: list[BenchRequest], plan: P.Plan
+) -> tuple[list[P.Outcome], P.EngineDelta]:
+    model = engine_model(step.engine)
+    _wait_idle(st.triton.metrics_url, model)
+    client = _client(st, step.engine, target)
+    try:
+        with EngineSampler(st.triton.metrics_url, model) as sampler:
+            outcomes = await open_loop(client, requests, plan.deadline_s)
+    finally:
+        await client.close()
+    return outcomes, sampler.delta
+
+
+async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> dict[str, Any]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    triton_log = (log_dir / "triton.log").open("w")
+    prompts = Prompts()
+    results: dict[str, Any] = {"calibration": {}, "runs": []}
+    with stack(log=lambda line: print(line, file=triton_log, flush=True)) as st:
+        for strategy in plan.engines:
+            progress.show(f"calibrating the {strategy} engine")
+            cal = await _calibrate(st, strategy, plan, prompts, seed)
+            results["calibration"][strategy] = cal
+            slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
+            st.add_sidecars(strategy, slo)
+            progress.advance(f"calibrated the {strategy} engine")
+        progress.show("sidecar overhead")
+        results["overhead"] = await _overhead(st, plan.overhead_rounds, prompts)
+        progress.advance("sidecar overhead")
+        for index, step in enumerate(plan.steps):
+            cal = results["calibration"][step.engine]
+            base = "chat" if step.mix == "burst" else step.mix
+            rate = cal["capacity_rps"][base] * step.load
+            window = plan.burst_s if step.mix == "burst" else plan.duration_s
+            sim: list[SimRequest] = P.schedule(step.mix, rate, window, seed + index)
+            requests = materialize(sim, prompts, f"s{index}")
+            slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
+            turn = index % len(P.TARGETS)
+            for target in P.TARGETS[turn:] + P.TARGETS[:turn]:
+                label = f"{step.engine} {step.mix} {step.load:g}x {P.TARGET_NAMES[target]}"
+                progress.show(label)
+                outcomes, delta = await _one_run(st, step, target, requests, plan)
+                summary = P.summarize(outcomes, window, slo, delta)
+                results["runs"].append(
+                    {
+                        **asdict(step),
+                        "target": target,
+                        "offered_rps": round(len(requests) / window, 3),
+                        "rate_rps": round(rate, 3),
+                        "window_s": window,
+                        "summary": summary,
+                        "ttft_ms": {
+                            lane: sorted(
+                                round(o.ttft_s * 1000, 1)
+                                for o in outcomes
+                                if o.lane == lane and o.state == "ok" and o.ttft_s is not None
+                            )
+                            for lane in P.LANES
+                        },
+                        "errors": sorted({o.error for o in outcomes if o.error})[:10],
+                    }
+                )
+                progress.advance(label)
+    triton_log.close()
+    return results
+
+
+def total_steps(plan: P.Plan) -> int:
+    return len(plan.engines) + 1 + len(plan.steps) * len(P.TARGETS)
+
+
+def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[str, Any]:
+    """Run the plan; write results.json, results.md and plots under `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(total_steps(plan))
+    started = time.monotonic()
+    try:
+        results = asyncio.run(_bench(plan, seed, progress, out_dir / "logs"))
+    finally:
+        progress.close()
+    results["parameters"] = {
+        "plan": plan.name,
+        "seed": seed,
+        "command": command,
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "plan_detail": asdict(plan),
+        "slo": {
+            "rule": f"TTFT <= max({P.SLO_FLOOR_S} s, {P.SLO_FACTOR} x the lane's unloaded median)",
+            "fast_reject_s": P.FAST_REJECT_S,
+        },
+        "mixes": {name: asdict(mix) for name, mix in P.MIXES.items()},
+    }
+    report.write(results, out_dir)
+    return results
