@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench-engine bench-sidecar bench-core simulate sim-golden clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-core simulate sim-golden clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -54,6 +54,14 @@ unit: $(GEN) $(TOOLS)
 
 integration: $(GEN)
 	$(BIN)/pytest -q tests/integration
+
+# Triton alone against the sidecar (FIFO, policy), measured on the embedded stack: tables, JSON
+# and plots under results/bench/ (docs/benchmarks.md). --quick takes ~2 min, the full run ~16.
+bench: $(GEN)
+	$(BIN)/scheduler-svc bench
+
+bench-quick: $(GEN)
+	$(BIN)/scheduler-svc bench --quick
 
 # Engine timing (a benchmark, never a test): writes figures for model_repo/README.md.
 bench-engine: $(GEN)

@@ -224,19 +224,15 @@ def _engine_value(samples: dict[Any, float], name: str, model: str, **labels: st
     return samples.get((name, frozenset({"model": model, "version": "1", **labels}.items())), 0.0)
 
 
-def token_counts(metrics_url: str, model: str) -> tuple[float, float]:
-    """(processed, useful) tokens, context and generation together, so far."""
+def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
+    """Tokens so far by (phase, kind): context or generation, processed or useful."""
     samples = scrape(metrics_url)
     name = "scheduler_svc_engine_tokens_total"
-    processed = sum(
-        _engine_value(samples, name, model, phase=p, kind="processed")
-        for p in ("context", "generation")
-    )
-    useful = sum(
-        _engine_value(samples, name, model, phase=p, kind="useful")
-        for p in ("context", "generation")
-    )
-    return processed, useful
+    return {
+        (phase, kind): _engine_value(samples, name, model, phase=phase, kind=kind)
+        for phase in ("context", "generation")
+        for kind in ("processed", "useful")
+    }
 
 
 class EngineSampler:
@@ -257,8 +253,11 @@ class EngineSampler:
         self._stop.set()
         self._thread.join()
         end = token_counts(self.metrics_url, self.model)
-        self.delta.processed_tokens = end[0] - self._start[0]
-        self.delta.useful_tokens = end[1] - self._start[1]
+        moved = {key: end[key] - self._start[key] for key in end}
+        self.delta.processed_tokens = moved["context", "processed"]
+        self.delta.useful_tokens = moved["context", "useful"]
+        self.delta.generation_processed = moved["generation", "processed"]
+        self.delta.generation_useful = moved["generation", "useful"]
 
     def _run(self) -> None:
         kv, req = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metrics"

@@ -122,7 +122,7 @@ FULL = Plan(
     ),
     duration_s=12.0,
     burst_s=2.0,
-    calibrate_s=10.0,
+    calibrate_s=8.0,
     deadline_s=30.0,
     overhead_rounds=60,
 )
@@ -195,15 +195,25 @@ def to_ms(value: float | None) -> float | None:
 class EngineDelta:
     """What the engine's own counters and samples say about one run."""
 
+    # Tokens the engine pushed through the model, and those that belonged to a real row, in the
+    # prompt (context) phase; padding there is the source document's padding ratio.
     processed_tokens: float = 0.0
     useful_tokens: float = 0.0
     occupancy: list[float] = field(default_factory=list)  # active / max sequences, sampled
     fragmentation: list[float] = field(default_factory=list)  # sampled while blocks were held
+    # The same for generation steps: a static batch keeps finished rows' slots busy.
+    generation_processed: float = 0.0
+    generation_useful: float = 0.0
 
     def padding(self) -> float | None:
-        if self.processed_tokens <= 0:
-            return None
-        return round(1 - self.useful_tokens / self.processed_tokens, 4)
+        return _waste(self.processed_tokens, self.useful_tokens)
+
+    def generation_waste(self) -> float | None:
+        return _waste(self.generation_processed, self.generation_useful)
+
+
+def _waste(processed: float, useful: float) -> float | None:
+    return round(1 - useful / processed, 4) if processed > 0 else None
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -247,6 +257,7 @@ def summarize(
         "tokens_per_s": round(sum(o.tokens for o in ok) / window_s, 1),
         "lanes": lanes,
         "padding_ratio": engine.padding(),
+        "generation_waste": engine.generation_waste(),
         "slot_occupancy": _mean(engine.occupancy),
         "kv_fragmentation": _mean(engine.fragmentation),
         "send_lag_p99_ms": to_ms(percentile(lags, 99)),

@@ -64,7 +64,8 @@ HEADLINE: list[tuple[str, Any, str]] = [
     ("hot P99 TTFT", lambda s: _lane(s, "hot", "ttft_p99_ms"), " ms"),
     ("worst lane P99 TTFT", lambda s: _worst_lane(s, "ttft_p99_ms"), " ms"),
     ("worst lane P99 end-to-end", lambda s: _worst_lane(s, "e2e_p99_ms"), " ms"),
-    ("padding (engine)", lambda s: s["padding_ratio"], "%"),
+    ("prompt padding (engine)", lambda s: s["padding_ratio"], "%"),
+    ("idle generation slots (engine)", lambda s: s.get("generation_waste"), "%"),
     ("slot occupancy (engine)", lambda s: s["slot_occupancy"], "%"),
     ("KV fragmentation (engine)", lambda s: s["kv_fragmentation"], "%"),
     ("rejected fast", lambda s: s["rejected_fast"], ""),
@@ -89,7 +90,8 @@ def all_runs(results: dict[str, Any]) -> list[str]:
     header = [
         "engine", "mix", "load", "target", "offered/s", "goodput/s", "served/s",
         *(f"{lane} TTFT p50/p99 ms" for lane in LANES),
-        "e2e p99 ms", "padding", "occupancy", "KV frag", "rej. fast", "rej. queued", "failed",
+        "e2e p99 ms", "padding", "idle gen", "occupancy", "KV frag",
+        "rej. fast", "rej. queued", "failed",
     ]  # fmt: skip
     rows = []
     for r in results["runs"]:
@@ -105,7 +107,8 @@ def all_runs(results: dict[str, Any]) -> list[str]:
                 r["engine"], r["mix"], f"{r['load']:g}×", TARGET_NAMES[r["target"]],
                 _fmt(r["offered_rps"]), _fmt(s["goodput_rps"]), _fmt(s["throughput_rps"]),
                 *lanes, _fmt(_worst_lane(s, "e2e_p99_ms")), _pct(s["padding_ratio"]),
-                _pct(s["slot_occupancy"]), _pct(s["kv_fragmentation"]),
+                _pct(s.get("generation_waste")), _pct(s["slot_occupancy"]),
+                _pct(s["kv_fragmentation"]),
                 str(s["rejected_fast"]), str(s["rejected_queued"]), str(s["failed"]),
             ]
         )  # fmt: skip

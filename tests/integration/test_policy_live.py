@@ -136,8 +136,13 @@ def test_hot_requests_overtake_queued_cold_ones(
 def test_update_policy_applies_from_the_next_batch(
     triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
 ) -> None:
-    # A bucket waits 0.5 s for company, so four threads' requests surely share one.
-    patient = {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]}
+    # A bucket waits 0.5 s for company, so four threads' requests surely share one: buckets
+    # held back as for a static engine (on its own the sidecar lets an in-flight engine's
+    # buckets go at once).
+    patient = {
+        "lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}],
+        "continuous_batching": False,
+    }
     sidecar = sidecar_factory(triton, {"policy": patient})
 
     def batches() -> int:
@@ -478,3 +483,19 @@ def test_a_batch_whose_triton_dies_mid_stream_ends_every_member_clearly(
         eventually(lambda: stats(sidecar).kv.reserved_blocks == 0, "the reservations are freed")
     finally:
         doomed.stop()
+
+
+def test_buckets_flow_for_an_in_flight_engine_and_are_held_for_a_static_one(
+    triton: TritonServer, variants: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    def continuous(sidecar: SidecarProcess) -> bool:
+        current = admin(sidecar).UpdatePolicy(
+            pb.UpdatePolicyRequest(policy_json="{}", dry_run=True)
+        )
+        return bool(json.loads(current.policy_json)["continuous_batching"])
+
+    assert continuous(sidecar_factory(triton, {}, "inflight"))
+    static = {"triton": {"engine_model": "engine_static"}}
+    assert not continuous(sidecar_factory(variants, static, "static"))
+    pinned = {"policy": {"continuous_batching": False}}
+    assert not continuous(sidecar_factory(triton, pinned, "pinned"))  # the config file wins
