@@ -329,28 +329,30 @@ class TritonClient:
             yield message
 
         try:
-            call = self.stub.ModelStreamInfer(one(), timeout=deadline_s)
-            async for response in call:
+            # Our side is closed after the one request, so Triton ends the stream after the
+            # final response: it is read to its end, never cancelled.
+            async for response in self.stub.ModelStreamInfer(one(), timeout=deadline_s):
                 now = time.monotonic() - start
+                if out.state != "pending":
+                    continue
                 if response.error_message:
                     text = response.error_message.lower()
                     refusal = any(key in text for key in _TRITON_REFUSALS)
                     out.state = classify_error(now, out.tokens > 0, refusal)
                     out.error = response.error_message[:200]
-                    call.cancel()
-                    return out
+                    continue
                 ids = output_ids(response.infer_response)
                 if ids and out.ttft_s is None:
                     out.ttft_s = now
                 out.tokens += len(ids)
                 if is_final(response.infer_response):
                     out.state, out.e2e_s = "ok", now
-                    call.cancel()
-                    return out
-            out.state, out.error = "failed", "the stream ended before the final response"
+            if out.state == "pending":
+                out.state, out.error = "failed", "the stream ended before the final response"
         except grpc.aio.AioRpcError as exc:
-            out.state = "failed"
-            out.error = f"{exc.code().name}: {exc.details()}"[:200]
+            if out.state == "pending":
+                out.state = "failed"
+                out.error = f"{exc.code().name}: {exc.details()}"[:200]
         return out
 
     async def close(self) -> None:
