@@ -220,7 +220,7 @@ def scrape(metrics_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
     }
 
 
-def _engine_value(samples: dict[Any, float], name: str, model: str, **labels: str) -> float:
+def engine_value(samples: dict[Any, float], name: str, model: str, **labels: str) -> float:
     return samples.get((name, frozenset({"model": model, "version": "1", **labels}.items())), 0.0)
 
 
@@ -229,7 +229,7 @@ def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
     samples = scrape(metrics_url)
     name = "scheduler_svc_engine_tokens_total"
     return {
-        (phase, kind): _engine_value(samples, name, model, phase=phase, kind=kind)
+        (phase, kind): engine_value(samples, name, model, phase=phase, kind=kind)
         for phase in ("context", "generation")
         for kind in ("processed", "useful")
     }
@@ -264,11 +264,11 @@ class EngineSampler:
         while not self._stop.wait(SAMPLE_EVERY_S):
             s = scrape(self.metrics_url)
             m = self.model
-            active = _engine_value(s, req, m, request_type="active")
-            most = _engine_value(s, req, m, request_type="max") or MAX_SEQUENCES
-            used = _engine_value(s, kv, m, kv_cache_block_type="used")
-            per = _engine_value(s, kv, m, kv_cache_block_type="tokens_per")
-            cached = _engine_value(s, "scheduler_svc_engine_kv_cached_tokens", m)
+            active = engine_value(s, req, m, request_type="active")
+            most = engine_value(s, req, m, request_type="max") or MAX_SEQUENCES
+            used = engine_value(s, kv, m, kv_cache_block_type="used")
+            per = engine_value(s, kv, m, kv_cache_block_type="tokens_per")
+            cached = engine_value(s, "scheduler_svc_engine_kv_cached_tokens", m)
             self.delta.occupancy.append(active / most)
             if used > 0 and per > 0:
                 self.delta.fragmentation.append(max(0.0, 1 - cached / (used * per)))

@@ -30,6 +30,7 @@ from scheduler_svc.bench.live import (
     TritonClient,
     closed_loop,
     engine_model,
+    engine_value,
     materialize,
     open_loop,
     scrape,
@@ -78,13 +79,10 @@ class Progress:
 def _wait_idle(metrics_url: str, model: str) -> None:
     """Until the engine holds no request (a client's give-up reaches it within an iteration)."""
     deadline = time.monotonic() + IDLE_WAIT_S
-    key = "nv_trt_llm_request_metrics"
     while time.monotonic() < deadline:
         samples = scrape(metrics_url)
         busy = sum(
-            samples.get(
-                (key, frozenset({"model": model, "version": "1", "request_type": t}.items())), 0.0
-            )
+            engine_value(samples, "nv_trt_llm_request_metrics", model, request_type=t)
             for t in ("active", "waiting")
         )
         if busy == 0:
