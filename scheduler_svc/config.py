@@ -6,6 +6,7 @@ wrong (`queue.max_queued: Input should be greater than or equal to 0`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.core import config as core_config
 from scheduler_svc.core.config import KvConfig, PolicyConfig
 from scheduler_svc.errors import ConfigError
@@ -55,12 +57,12 @@ class TritonConfig(_Frozen):
         description="More Tritons serving the same engine model: each request goes to a ready "
         "one with the fewest requests in flight, then the most free KV blocks.",
     )
-    dispatch: Literal["auto", "wave", "batch"] = Field(
+    engine_batching: Literal["auto", "inflight", "static"] = Field(
         "auto",
-        description="wave: a released batch goes as simultaneous one-row requests; batch: as one "
-        "multi-row request whose streamed rows are routed back by batch_index; auto: batch for a "
-        "static-batching engine (gpt_model_type V1), wave for in-flight batching "
-        "(docs/sidecar.md has the measurements).",
+        description="How the engine batches. auto: read from its model config at start "
+        "(gpt_model_type V1 is static; anything else in-flight). Static engines get one "
+        "multi-row request per released batch and as many batches at once as they run; "
+        "in-flight engines get one stream per row (docs/sidecar.md).",
     )
 
 
@@ -177,6 +179,26 @@ class SidecarConfig(_Frozen):
             max_queued=self.queue.max_queued,
         )
         return self.policy_override(defaults, self.policy)
+
+    def policy_for_engine(self, base: PolicyConfig, engine: EngineProfile) -> PolicyConfig:
+        """`base` with what the engine's profile decides, where the `policy` section does not
+        pin it: a static engine gets no continuous batching and as many batches in flight as
+        it runs at once; an in-flight engine batches continuously with no batch limit. Rows in
+        flight never exceed what the engine runs (max_num_sequences, and for a static engine
+        the rows one request may carry)."""
+        static = engine.batching is Batching.STATIC
+        changes: dict[str, Any] = {}
+        if "continuous_batching" not in self.policy:
+            changes["continuous_batching"] = not static
+        if "max_batches_in_flight" not in self.policy:
+            changes["max_batches_in_flight"] = engine.batches_at_once if static else None
+        limits = [base.kv.max_in_flight, engine.max_num_sequences]
+        if static:
+            limits.append(engine.max_batch_size * engine.batches_at_once)
+        rows = min(n for n in limits if n is not None)
+        if rows != base.kv.max_in_flight:
+            changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
+        return dataclasses.replace(base, **changes) if changes else base
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:
         """`base` with `changes` applied (the config file, UpdatePolicy, SIGHUP). A lane given

@@ -1,12 +1,12 @@
 """The sidecar's Prometheus metrics, named by Prometheus conventions.
 
 Two kinds:
-- events, recorded as they happen on the dispatcher's task: queue wait per lane (every
+- events, recorded as they happen on the core loop's task: queue wait per lane (every
   request that left the queue, immediately admitted ones included: the source document's
   `priority_queue_wait_time`), time to first token and end-to-end latency per lane, batch
   padding ratio (`batch_scheduler_padding_ratio`) and utilization per released batch, request
   outcomes, interrupted streams, reclaimed KV reservations;
-- state, read at scrape time from the last snapshot the dispatcher took of the scheduler: queue
+- state, read at scrape time from the last snapshot the core loop took of the scheduler: queue
   depths, in-flight requests, the KV mirror (blocks, fragmentation: the document's
   `block_manager_fragmentation_rate`, staleness), the breaker, and the policy's event counters
   (rejected / degraded / demoted / requeued / promoted / mispredicted ...).

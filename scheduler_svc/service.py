@@ -1,8 +1,12 @@
-"""The request path both fronts share: validate, tokenize, queue, forward, detokenize, account.
+"""The request path every front shares: validate, tokenize, queue, detokenize, account.
+
+Data moves one way: front -> service (validate, tokenize) -> core loop (the core decides) ->
+batch runner (the backend) -> this request's row channel -> service (detokenize) -> front. The
+service never talks to a backend: it reads its own row's tokens and turns them into text.
 
 `GenerationService.generate` yields `Delta`s as text becomes safe to show and one `Final` at the
-end, or raises a `RequestError`. Whatever happens, the request is released from the scheduler
-exactly once and one log line records how it ended.
+end, or raises a `RequestError`. Whatever happens, the request leaves the core loop exactly once
+and one log line records how it ended.
 """
 
 from __future__ import annotations
@@ -19,12 +23,9 @@ from enum import StrEnum
 import structlog
 from tokenizers import Tokenizer
 
-from scheduler_svc.backends.base import Backend, GenerationInput
-from scheduler_svc.backends.pool import TritonPool
-from scheduler_svc.batchcall import BatchCalls
+from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.config import SidecarConfig
-from scheduler_svc.core.types import Dispatch, Expired, ExpireReason, Request, Target, Urgency
-from scheduler_svc.dispatcher import Dispatcher, Ticket
+from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
@@ -33,13 +34,13 @@ from scheduler_svc.errors import (
     RequestError,
     ShuttingDownError,
 )
+from scheduler_svc.loop import CoreLoop, Ticket
 from scheduler_svc.text import TextStream
 
 log = structlog.get_logger("scheduler_svc.requests")
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-PROGRESS_EVERY_TOKENS = 16  # how often the core hears how far a request has got
 
 
 class Finish(StrEnum):
@@ -93,31 +94,15 @@ class GenerationService:
         self,
         cfg: SidecarConfig,
         tokenizer: Tokenizer,
-        dispatcher: Dispatcher,
-        backend: Backend,
-        others: dict[Target, Backend] | None = None,
+        loop: CoreLoop,
     ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        self.dispatcher = dispatcher
-        self.backend = backend
-        # Where the core may send a request besides the primary: the degrade target, the
-        # elastic pool.
-        self.backends: dict[Target, Backend] = {Target.PRIMARY: backend, **(others or {})}
+        self.loop = loop
         self.backend_ready = False
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
-        self.batch_calls: BatchCalls | None = None
-        if cfg.triton.dispatch == "batch":
-            self.set_dispatch("batch")
-
-    def set_dispatch(self, mode: str) -> None:
-        """`batch`: released batches go to the primary as one multi-row request; else `wave`."""
-        backend = self.backend
-        self.batch_calls = (
-            BatchCalls(backend) if mode == "batch" and isinstance(backend, TritonPool) else None
-        )
 
     def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
         if params.token_ids is not None:
@@ -171,17 +156,29 @@ class GenerationService:
         pinned = None
         if self.cfg.queue.scheduler == "policy":
             pinned = self.cfg.queue.priority_lanes.get(params.urgency.name.lower())
-        ticket = await self.dispatcher.submit(
-            Request(
-                request_id=run.request_id,
-                prompt_tokens=len(prompt),
-                max_tokens=max_tokens,
-                urgency=params.urgency,
-                tenant=params.tenant,
-                queue_deadline=run.started + queue_timeout if queue_timeout else None,
-                lane=pinned,
-            )
+        request = Request(
+            request_id=run.request_id,
+            prompt_tokens=len(prompt),
+            max_tokens=max_tokens,
+            urgency=params.urgency,
+            tenant=params.tenant,
+            queue_deadline=run.started + queue_timeout if queue_timeout else None,
+            lane=pinned,
         )
+        row = GenerationInput(
+            request_id=run.request_id,
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            end_id=self.cfg.model.end_id,
+            pad_id=self.cfg.model.pad_id,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+        )
+        remaining = params.time_remaining_s
+        deadline = None if remaining is None else run.started + remaining
+        ticket = await self.loop.submit(request, row, deadline)
         try:
             decision = await ticket.decision
             run.queued_at = time.monotonic()
@@ -189,8 +186,8 @@ class GenerationService:
             if isinstance(decision, Expired):
                 raise self._expired(decision, run, queue_timeout)
             run.dispatched = True
-            forward = self._forward(run, params, prompt, max_tokens, decision, ticket)
-            async with contextlib.aclosing(forward) as events:  # closing it cancels the backend
+            text = self._text(run, params, decision.max_tokens or max_tokens, ticket)
+            async with contextlib.aclosing(text) as events:
                 async for event in events:
                     yield event
         except asyncio.CancelledError:
@@ -204,10 +201,10 @@ class GenerationService:
             run.outcome = exc.type
             raise
         finally:
-            self.dispatcher.release(ticket, run.completion_tokens if run.dispatched else None)
+            self.loop.leave(ticket)
             self.outcomes[run.outcome] += 1
             run.log_end(params.tenant)
-            self.dispatcher.metrics.observe_end(
+            self.loop.metrics.observe_end(
                 run.lane, run.outcome, run.dispatched, run.ttft_s, time.monotonic() - run.started
             )
 
@@ -226,56 +223,18 @@ class GenerationService:
             f"{waited}, past the request's timeout of {(queue_timeout or 0) * 1000:.0f} ms"
         )
 
-    async def _forward(
-        self,
-        run: _Run,
-        params: GenerationParams,
-        prompt: tuple[int, ...],
-        max_tokens: int,
-        decision: Dispatch,
-        ticket: Ticket,
+    async def _text(
+        self, run: _Run, params: GenerationParams, max_tokens: int, ticket: Ticket
     ) -> AsyncGenerator[Delta | Final, None]:
-        """Stream from the backend, detokenize, stop at stop strings, end with a Final."""
-        remaining = params.time_remaining_s
-        backend = self.backends.get(decision.target)
-        if backend is None:
-            raise BackendUnavailableError(f"no {decision.target.value} backend is configured")
-        max_tokens = decision.max_tokens or max_tokens
-        backend_input = GenerationInput(
-            request_id=run.request_id,
-            prompt_ids=prompt,
-            max_tokens=max_tokens,
-            end_id=self.cfg.model.end_id,
-            pad_id=self.cfg.model.pad_id,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed,
-            timeout_s=None if remaining is None else max(remaining - run.queue_ms / 1000, 0.001),
-        )
+        """Read this request's row, detokenize, stop at stop strings, end with a Final."""
         text = TextStream(self.tokenizer, params.stop)
-        reported = 0
-        batch = decision.batch
-        if (
-            self.batch_calls is not None
-            and decision.target is Target.PRIMARY
-            and batch
-            and batch.size > 1
-        ):
-            source = self.batch_calls.rows(batch, backend_input)
-        else:
-            source = backend.stream(backend_input)
-        async with contextlib.aclosing(source) as tokens:
-            async for ids in tokens:
-                run.first_token_at = run.first_token_at or time.monotonic()
-                delta = text.push(ids)
-                run.completion_tokens = len(text.ids)
-                if run.completion_tokens - reported >= PROGRESS_EVERY_TOKENS:
-                    reported = run.completion_tokens
-                    self.dispatcher.progress(ticket, reported)
-                yield Delta(delta, tuple(ids))
-                if text.stopped:
-                    break  # leaving the block cancels the rest inside Triton
+        async for ids in ticket.channel.tokens():
+            run.first_token_at = run.first_token_at or time.monotonic()
+            delta = text.push(ids)
+            run.completion_tokens = len(text.ids)
+            yield Delta(delta, tuple(ids))
+            if text.stopped:
+                break  # leaving closes the row's channel: the runner stops it in the engine
         tail = text.finish()
         if tail:
             yield Delta(tail, ())
@@ -286,7 +245,7 @@ class GenerationService:
             text=text.text,
             token_ids=tuple(text.ids),
             finish=Finish.STOP if text.stopped or len(text.ids) < max_tokens else Finish.LENGTH,
-            prompt_tokens=len(prompt),
+            prompt_tokens=run.prompt_tokens,
             completion_tokens=len(text.ids),
             queue_ms=run.queue_ms,
             ttft_ms=((run.first_token_at or ended) - run.started) * 1000,

@@ -1,15 +1,42 @@
-"""What the sidecar needs from a backend: stream the tokens of one request, and say if ready."""
+"""What the sidecar needs from a backend: its engine profile, its rows' tokens, its KV counts.
+
+A backend reports an `EngineProfile` once, at start: how the engine batches, how many rows a
+request may carry, how many batches it runs at once, its token budget and KV pool. Everything
+the shell decides about dispatch (which batch runner, how many batches the policy keeps in the
+engine, whether buckets wait to fill) is derived from that one fact.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
+
+
+class Batching(StrEnum):
+    """How the engine forms its batches (TensorRT-LLM's `gpt_model_type`)."""
+
+    INFLIGHT = "inflight"  # inflight_fused_batching: rows join and leave at every step
+    STATIC = "static"  # V1: one padded batch at a time, run until its longest row is done
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """The engine as the backend reports it once."""
+
+    batching: Batching
+    max_batch_size: int  # rows one request may carry (Triton's max_batch_size)
+    batches_at_once: int = 1  # engine batches that run at the same time (instances x endpoints)
+    max_num_sequences: int | None = None  # rows the engine runs at once, where it says
+    max_num_tokens: int | None = None  # tokens one engine step takes, where it says
+    kv_total_blocks: int | None = None  # the paged KV pool, where it can be read
+    kv_free_blocks: int | None = None
 
 
 @dataclass(frozen=True)
 class GenerationInput:
-    """One request as the engine sees it: token ids in, token ids out."""
+    """One request row as the engine sees it: token ids in, token ids out."""
 
     request_id: str
     prompt_ids: Sequence[int]
@@ -33,6 +60,25 @@ class Backend(Protocol):
         """Whether the backend and its model are ready now."""
         ...
 
+    async def health(self) -> list[tuple[str, bool]]:
+        """(address, ready) of each endpoint behind this backend."""
+        ...
+
+    async def profile(self) -> EngineProfile:
+        """The engine's profile (read once, at start)."""
+        ...
+
+    async def read_kv(self) -> tuple[int, int] | None:
+        """The engine's (free, total) KV blocks now, or None when they cannot be read."""
+        ...
+
     def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
-        """Yield newly generated ids as they come; closing the iterator cancels the request."""
+        """Yield newly generated ids as they come; closing the iterator ends the request."""
+        ...
+
+    def stream_batch(
+        self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
+    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+        """Every row in one request; yield (row index, new ids) as the engine streams them.
+        Closing the iterator ends the request."""
         ...

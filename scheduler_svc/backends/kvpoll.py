@@ -2,9 +2,9 @@
 
 TensorRT-LLM (and the CPU reference engine) publish
 `nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free"|"max"|..., model=...}`. A poller
-reads them every `kv_poll_interval_s` and hands (free, max) to the dispatcher; when the page
-cannot be read, nothing is handed over and the mirror turns stale by itself (flagged in the
-metrics), falling back to its own accounting.
+reads them every `kv_poll_interval_s` and hands (free, max) to a callback (the core loop's);
+when the page cannot be read, nothing is handed over and the mirror turns stale by itself
+(flagged in the metrics), falling back to its own accounting.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
-
-from scheduler_svc.dispatcher import Dispatcher
 
 log = structlog.get_logger("scheduler_svc.kvpoll")
 
@@ -51,9 +49,11 @@ async def read_kv_blocks(url: str, model: str, timeout_s: float) -> tuple[int, i
 
 
 async def poll_kv(
-    dispatcher: Dispatcher, read: Callable[[], Awaitable[tuple[int, int] | None]], interval_s: float
+    observe: Callable[[int, int], None],
+    read: Callable[[], Awaitable[tuple[int, int] | None]],
+    interval_s: float,
 ) -> None:
-    """Forever: read the counts (free, total) and feed them to the dispatcher."""
+    """Forever: read the counts (free, total) and hand them to `observe`."""
     failing = False
     while True:
         counts = await read()
@@ -65,5 +65,5 @@ async def poll_kv(
             if failing:
                 log.info("KV block counts readable again")
             failing = False
-            dispatcher.observe_kv(*counts)
+            observe(*counts)
         await asyncio.sleep(interval_s)

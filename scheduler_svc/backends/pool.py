@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.backends.base import EngineProfile, GenerationInput
 from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import TritonConfig
@@ -59,6 +59,24 @@ class TritonPool:
         for endpoint, answer in zip(self.endpoints, answers, strict=True):
             endpoint.ready = answer
         return any(answers)
+
+    async def health(self) -> list[tuple[str, bool]]:
+        """Each endpoint's answer to the last readiness check."""
+        return [(e.url, e.ready) for e in self.endpoints]
+
+    async def profile(self) -> EngineProfile:
+        """The first endpoint's engine; every endpoint runs its own batches, so the pool runs
+        as many at once as they do together. KV counts are the pool's, where readable."""
+        first = await self.first.profile()
+        counts = await self.read_kv()
+        return replace(
+            first,
+            batches_at_once=first.batches_at_once * len(self.endpoints),
+            kv_free_blocks=counts[0] if counts else None,
+            kv_total_blocks=counts[1]
+            if counts
+            else first.kv_total_blocks and first.kv_total_blocks * len(self.endpoints),
+        )
 
     def pick(self) -> Endpoint:
         """The ready endpoint with the fewest requests in flight, then the most free KV blocks;

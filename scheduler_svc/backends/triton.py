@@ -18,9 +18,10 @@ from typing import Any, TypeAlias
 import grpc
 import numpy as np
 import numpy.typing as npt
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
+from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.config import TritonConfig
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -140,6 +141,36 @@ def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
     return []
 
 
+def _int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:
+    param = config.parameters.get(key)
+    try:
+        value = int(param.string_value) if param is not None else None
+    except ValueError:  # an unrendered template value such as ${max_num_tokens}
+        return None
+    return value if value is not None and value > 0 else None
+
+
+def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> EngineProfile:
+    """The profile a `tensorrt_llm` model config describes (`override`: auto, or a batching)."""
+    if override != "auto":
+        batching = Batching(override)
+    else:
+        model_type = config.parameters.get("gpt_model_type")
+        static = model_type is not None and model_type.string_value.lower() == "v1"
+        batching = Batching.STATIC if static else Batching.INFLIGHT
+    instances = sum(group.count or 1 for group in config.instance_group) or 1
+    paged_tokens = _int_parameter(config, "max_tokens_in_paged_kv_cache")
+    per_block = _int_parameter(config, "tokens_per_block")
+    return EngineProfile(
+        batching=batching,
+        max_batch_size=max(1, config.max_batch_size),
+        batches_at_once=instances,
+        max_num_sequences=_int_parameter(config, "max_num_sequences"),
+        max_num_tokens=_int_parameter(config, "max_num_tokens"),
+        kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
+    )
+
+
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
     param = response.parameters.get("triton_final_response")
     return bool(param is not None and param.bool_param)
@@ -191,17 +222,26 @@ class TritonBackend:
         except grpc.aio.AioRpcError:
             return False
 
-    async def batching_strategy(self) -> str | None:
-        """The engine's `gpt_model_type` parameter (V1 or inflight_fused_batching), if readable."""
-        try:
-            answer = await self.stub.ModelConfig(
-                service_pb2.ModelConfigRequest(name=self.cfg.engine_model),
-                timeout=self.cfg.connect_timeout_s,
-            )
-        except grpc.aio.AioRpcError:
+    async def health(self) -> list[tuple[str, bool]]:
+        return [(self.cfg.url, await self.ready())]
+
+    async def profile(self) -> EngineProfile:
+        """The engine's profile from its model config: `gpt_model_type` (V1 is static batching;
+        anything else, or nothing, in-flight), `max_batch_size`, the instance count, and the
+        TensorRT-LLM parameters that bound a step and the KV pool. `triton.engine_batching`
+        overrides the batching where set."""
+        answer = await self.stub.ModelConfig(
+            service_pb2.ModelConfigRequest(name=self.cfg.engine_model),
+            timeout=self.cfg.connect_timeout_s,
+        )
+        return profile_from_config(answer.config, self.cfg.engine_batching)
+
+    async def read_kv(self) -> tuple[int, int] | None:
+        if self.cfg.metrics_url is None:
             return None
-        param = answer.config.parameters.get("gpt_model_type")
-        return None if param is None else str(param.string_value)
+        return await read_kv_blocks(
+            self.cfg.metrics_url, self.cfg.engine_model, self.cfg.connect_timeout_s
+        )
 
     # -- the model repository (Admin passes these through) ----------------------------------
 

@@ -159,6 +159,11 @@ class PolicyConfig:
     # running batch at the next step, so holding a bucket back to fill it, or to keep it whole,
     # only adds waiting. Buckets are then ready at once and go in part as room frees.
     continuous_batching: bool = False
+    # Engine batches allowed in flight at once; None: no limit. A static-batching engine packs
+    # whatever rows wait when it frees, length-blind, so the policy keeps exactly as many
+    # batches there as the engine runs at once (its instances): each engine batch is then one
+    # ratio-bounded bucket, and while the engine is busy the buckets fill.
+    max_batches_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.lanes) >= 1, "lanes", "need at least one lane")
@@ -183,6 +188,11 @@ class PolicyConfig:
             "must be >= 1 or null",
         )
         _check(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        _check(
+            self.max_batches_in_flight is None or 1 <= self.max_batches_in_flight <= 4096,
+            "max_batches_in_flight",
+            "must be in [1, 4096] or null",
+        )
 
     def lane(self, name: str) -> LaneConfig:
         for lane in self.lanes:

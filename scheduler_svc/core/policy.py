@@ -13,6 +13,9 @@ limit can hold it; it goes in part only when nothing is running, or when it hold
 request. For an engine with continuous (in-flight) batching (`continuous_batching`), buckets are
 ready as soon as they are formed and go in part whenever there is room: the engine merges rows
 into its running batch at every step, so waiting to fill or keep a batch only adds latency.
+With `max_batches_in_flight` (a static-batching engine: as many as it runs at once), no bucket
+goes while that many released batches still have a member running: the engine then runs each
+bucket as its own batch, and buckets fill while it works.
 
 Invariants (tests/unit/test_policy.py's state machine):
 - every submitted request ends in exactly one of: rejected at submission, expired, cancelled,
@@ -22,7 +25,8 @@ Invariants (tests/unit/test_policy.py's state machine):
 - no request stays queued past its lane's aging bound + its batch timeout while the capacity
   it needs is free, unless an older overdue request is waiting for more (freed capacity is kept
   for the oldest: that is what stops a large request from starving);
-- each lane's queue stays within its cap.
+- each lane's queue stays within its cap;
+- primary batches with a member in flight never exceed `max_batches_in_flight`.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class _InFlight:
     max_tokens: int
     predicted_output: int
     target: Target
+    batch_id: int = 0
     mispredicted: bool = False
 
 
@@ -121,6 +126,7 @@ class PolicyScheduler:
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
         )
         self._rows_in_flight = 0
+        self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
         self._now = 0.0
 
     # -- arrivals ----------------------------------------------------------------------------
@@ -341,6 +347,7 @@ class PolicyScheduler:
             queue.config.max_batch,
             tuple(e.prompt_tokens for e in entries),
         )
+        self._batch_rows[batch.batch_id] = len(entries)
         for entry in entries:
             rid = entry.request_id
             del self._queued[rid]
@@ -354,11 +361,17 @@ class PolicyScheduler:
                 entry.max_tokens,
                 entry.predicted_output,
                 Target.PRIMARY,
+                batch.batch_id,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
         self.counters["batches"] += 1
         return sum(e.cost_tokens for e in entries)
+
+    def _engine_has_room(self) -> bool:
+        """Whether another batch may go to the engine now (`max_batches_in_flight`)."""
+        limit = self.config.max_batches_in_flight
+        return limit is None or len(self._batch_rows) < limit
 
     def _dispatch_promoted(self, out: list[Decision]) -> bool:
         """Dispatch buckets holding promoted requests; True if one is blocked (drain for it)."""
@@ -370,7 +383,7 @@ class PolicyScheduler:
         for _, _, name, bucket in sorted(waiting, key=lambda w: (w[0], w[1], w[2])):
             while bucket.alive and any(e.promoted for e in bucket.members):
                 entries = self._fits(bucket, self.lanes[name].config.max_batch)
-                if not entries:
+                if not entries or not self._engine_has_room():
                     return True
                 self._release(name, entries, out)
         return False
@@ -378,7 +391,7 @@ class PolicyScheduler:
     def _dispatch_fair(self, out: list[Decision]) -> None:
         """Share the room between lanes with ready buckets by deficit round robin on tokens."""
         blocked: set[str] = set()
-        while True:
+        while self._engine_has_room():
             heads: dict[str, Bucket] = {}
             for name, queue in self.lanes.items():
                 head = None if name in blocked else queue.head()
@@ -453,6 +466,11 @@ class PolicyScheduler:
         if flight is not None and flight.target is Target.PRIMARY:
             self.mirror.release(request_id)
             self._rows_in_flight -= 1
+            left = self._batch_rows[flight.batch_id] - 1
+            if left:
+                self._batch_rows[flight.batch_id] = left
+            else:
+                del self._batch_rows[flight.batch_id]
         return flight
 
     def on_progress(self, request_id: str, output_tokens: int, now: float) -> None:
@@ -521,6 +539,7 @@ class PolicyScheduler:
         return SchedulerStats(
             queued=len(self._queued),
             in_flight=len(self._in_flight),
+            batches_in_flight=len(self._batch_rows),
             max_queued=min(
                 sum(q.config.max_queued for q in self.lanes.values()),
                 self.config.max_queued if self.config.max_queued is not None else 1 << 62,

@@ -150,6 +150,8 @@ class SchedulerStats:
     breaker_open: bool = False
     # Cumulative event counts by name (rejected_*, degraded, demoted, requeued, promoted, ...).
     counters: tuple[tuple[str, int], ...] = ()
+    # Released primary batches with a member still running (the policy's engine slots).
+    batches_in_flight: int = 0
 
 
 class Scheduler(Protocol):

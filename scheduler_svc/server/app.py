@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import replace
 
 import grpc
 import structlog
@@ -18,7 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.backends.base import Backend
+from scheduler_svc.backends.base import Backend, EngineProfile
 from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
@@ -26,8 +25,9 @@ from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Scheduler, Target
-from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.loop import CoreLoop
 from scheduler_svc.metrics import MetricsServer, SidecarMetrics
+from scheduler_svc.runner import RowRunner, runner_for
 from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.server.controls import SidecarControls
 from scheduler_svc.service import GenerationService
@@ -70,16 +70,14 @@ class Sidecar:
         metrics = SidecarMetrics()
         lanes = [lane.name for lane in scheduler.stats().lanes] or [scheduler.name]
         metrics.init_lanes(lanes)
-        self.dispatcher = Dispatcher(scheduler, metrics=metrics)
-        self.service = GenerationService(
-            cfg,
-            load_tokenizer(cfg.model.tokenizer_dir),
-            self.dispatcher,
-            self.backend,
-            self.others,
-        )
+        self.loop = CoreLoop(scheduler, metrics=metrics)
+        self.service = GenerationService(cfg, load_tokenizer(cfg.model.tokenizer_dir), self.loop)
         self.health = health.aio.HealthServicer()
-        self.controls = SidecarControls(cfg, self.dispatcher, self.service, self._on_draining)
+        self.controls = SidecarControls(
+            cfg, self.loop, self.service, self.backend, self.others, self._on_draining
+        )
+        self.profile: EngineProfile | None = None
+        self.controls.profile = lambda: self.profile
         self.metrics: MetricsServer | None = None
         self._serving: bool | None = None
         self.port = 0
@@ -100,7 +98,7 @@ class Sidecar:
             (scheduler_v1.SchedulerFront(self.service).handler(),)
         )
         pb_grpc.add_AdminServicer_to_server(  # type: ignore[no-untyped-call]
-            scheduler_v1.AdminFront(self.service, self.dispatcher, self.controls), self._server
+            scheduler_v1.AdminFront(self.service, self.loop, self.controls), self._server
         )
         kv_grpc.add_GRPCInferenceServiceServicer_to_server(
             kserve.KServeFront(self.service), self._server
@@ -115,69 +113,79 @@ class Sidecar:
         await self.backend.start()
         for other in self.others.values():
             await other.start()
-        await self._first_kv_reading()
-        await self._choose_dispatch()
-        self.dispatcher.start()
-        # Know the backend's state before the first call arrives (serving starts either way).
-        self.service.backend_ready = await self.backend.ready()
+        self.loop.start()
+        # Know the backend's state (and its engine) before the first call arrives; serving
+        # starts either way, and the watcher keeps looking.
+        self.service.backend_ready = await self._backend_ready()
         await self._set_health(self.service.backend_ready)
         # Liveness: this process answers; it does not depend on Triton (whose engine may take
         # minutes to load), so a liveness probe on it never restarts a healthy sidecar.
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
-        if isinstance(self.backend, TritonPool) and any(
-            e.metrics_url for e in self.backend.endpoints
-        ):
+        triton = self.cfg.triton
+        if triton.metrics_url or any(r.metrics_url for r in triton.replicas):
             self._poller = asyncio.create_task(
-                poll_kv(self.dispatcher, self.backend.read_kv, self.cfg.triton.kv_poll_interval_s),
+                poll_kv(self.loop.observe_kv, self.backend.read_kv, triton.kv_poll_interval_s),
                 name="kv-poll",
             )
         if server_cfg.metrics_port is not None:
             self.metrics = MetricsServer(
-                self.dispatcher.metrics, server_cfg.host, server_cfg.metrics_port
+                self.loop.metrics, server_cfg.host, server_cfg.metrics_port
             )
         log.info(
             "sidecar ready",
             port=self.port,
             metrics_port=self.metrics.port if self.metrics else None,
             triton=self.cfg.triton.url,
-            scheduler=self.dispatcher.scheduler.name,
+            scheduler=self.loop.scheduler.name,
         )
         return self.port
 
-    async def _choose_dispatch(self) -> None:
-        """dispatch: auto: one multi-row request per batch for a static-batching engine (the
-        engine keeps the batch's shape), one request per row for in-flight batching."""
-        mode = self.cfg.triton.dispatch
-        strategy = None
-        if mode == "auto" and isinstance(self.backend, TritonPool):
-            strategy = await self.backend.first.batching_strategy()
-            mode = "batch" if strategy is not None and strategy.lower() == "v1" else "wave"
-        self.service.set_dispatch(mode)
-        scheduler = self.dispatcher.scheduler
-        if isinstance(scheduler, PolicyScheduler) and "continuous_batching" not in self.cfg.policy:
-            # An in-flight engine takes rows at every step: buckets need not wait or stay whole.
-            continuous = strategy.lower() != "v1" if strategy is not None else mode == "wave"
-            if scheduler.config.continuous_batching != continuous:
-                # Before the dispatcher's task starts, so nothing else touches the core yet.
-                new = replace(scheduler.config, continuous_batching=continuous)
-                scheduler.reconfigure(new, self.dispatcher.clock())
-        log.info("dispatch mode", mode=mode, engine_batching=strategy)
+    async def _backend_ready(self) -> bool:
+        """Triton's readiness; the first time it is ready, its engine profile is read and the
+        request path set up from it (until then the sidecar refuses with UNAVAILABLE)."""
+        if not await self.backend.ready():
+            return False
+        if self.profile is None:
+            try:
+                profile = await self.backend.profile()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("cannot read the engine's profile yet", error=exc.details())
+                return False
+            await self._adopt(profile)
+        return True
 
-    async def _first_kv_reading(self) -> None:
-        """Size the KV mirror from the engine before the first request, when it can be read."""
-        pool = self.backend
-        if not isinstance(pool, TritonPool) or not isinstance(
-            self.dispatcher.scheduler, PolicyScheduler
-        ):
-            return
-        if not any(e.metrics_url for e in pool.endpoints):
-            return
-        counts = await pool.read_kv()
-        if counts is not None:
-            self.dispatcher.scheduler.observe_kv(*counts, self.dispatcher.clock())
-        log.info("KV mirror sized", free_and_total=counts)
+    async def _adopt(self, profile: EngineProfile) -> None:
+        """Set the request path from the engine profile: the primary's batch runner, and the
+        policy's batching rules (where the config does not pin them)."""
+        runners = {Target.PRIMARY: runner_for(profile, self.backend, self.loop)}
+        for target, backend in self.others.items():
+            runners[target] = RowRunner(backend, self.loop)  # one request, one row
+        self.loop.set_runners(runners)
+        if isinstance(self.loop.scheduler, PolicyScheduler):
+            cfg = self.cfg
+
+            def change(scheduler: Scheduler, now: float) -> None:
+                assert isinstance(scheduler, PolicyScheduler)
+                new = cfg.policy_for_engine(scheduler.config, profile)
+                if new != scheduler.config:
+                    scheduler.reconfigure(new, now)
+                if profile.kv_total_blocks is not None and profile.kv_free_blocks is not None:
+                    scheduler.observe_kv(profile.kv_free_blocks, profile.kv_total_blocks, now)
+
+            await self.loop.call(change)
+        self.profile = profile
+        log.info(
+            "engine profile",
+            batching=profile.batching.value,
+            runner=type(runners[Target.PRIMARY]).__name__,
+            max_batch_size=profile.max_batch_size,
+            batches_at_once=profile.batches_at_once,
+            max_num_sequences=profile.max_num_sequences,
+            max_num_tokens=profile.max_num_tokens,
+            kv_blocks=profile.kv_total_blocks,
+        )
 
     async def _on_draining(self, draining: bool) -> None:
         await self._set_health(self.service.backend_ready and not draining)
@@ -197,7 +205,7 @@ class Sidecar:
     async def _watch_backend(self) -> None:
         """Keep readiness current: Triton's answer, and NOT_SERVING once draining."""
         while True:
-            ready = await self.backend.ready()
+            ready = await self._backend_ready()
             if ready != self.service.backend_ready:
                 log.info("backend readiness changed", ready=ready, triton=self.cfg.triton.url)
             self.service.backend_ready = ready
@@ -212,7 +220,7 @@ class Sidecar:
         """Refuse new calls, give in-flight ones `grace_s` to finish, then stop everything."""
         grace = self.cfg.server.drain_grace_s if grace_s is None else grace_s
         self.service.draining = True
-        log.info("draining", grace_s=grace, in_flight=self.dispatcher.stats().in_flight)
+        log.info("draining", grace_s=grace, in_flight=self.loop.stats().in_flight)
         await self._set_health(False)
         if self._server is not None:
             await self._server.stop(grace)
@@ -221,7 +229,7 @@ class Sidecar:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self.dispatcher.close()
+        await self.loop.close()
         await self.backend.close()
         for other in self.others.values():
             await other.close()

@@ -1,7 +1,7 @@
 """What an operator may change while the sidecar runs: the policy, draining, Triton's models.
 
 Policy changes are validated here (ValueError naming the field becomes INVALID_ARGUMENT) and
-applied by the dispatcher's owner task, so no request is lost or decided under a half-applied
+applied by the core loop's owner task, so no request is lost or decided under a half-applied
 policy. A config file reloaded on SIGHUP goes the same way.
 """
 
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from scheduler_svc.backends.base import Backend, EngineProfile
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig, load_config
 from scheduler_svc.core.config import PolicyConfig, to_mapping
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Scheduler, Target
-from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.errors import BackendUnavailableError, BadRequestError, ConfigError
+from scheduler_svc.loop import CoreLoop
 from scheduler_svc.service import GenerationService
 
 log = structlog.get_logger("scheduler_svc.admin")
@@ -32,17 +32,23 @@ class SidecarControls:
     def __init__(
         self,
         cfg: SidecarConfig,
-        dispatcher: Dispatcher,
+        loop: CoreLoop,
         service: GenerationService,
+        primary: Backend,
+        others: dict[Target, Backend],
         on_draining: Callable[[bool], Awaitable[None]],
     ) -> None:
         self.cfg = cfg
-        self.dispatcher = dispatcher
+        self.loop = loop
         self.service = service
+        self.backends = {Target.PRIMARY: primary, **others}
+        # Triton's model repository, where the primary is Triton (Admin passes calls through).
+        self.repository = primary if isinstance(primary, TritonPool) else None
         self.on_draining = on_draining
+        self.profile: Callable[[], EngineProfile | None] = lambda: None
 
     def _policy(self) -> PolicyScheduler:
-        scheduler = self.dispatcher.scheduler
+        scheduler = self.loop.scheduler
         if not isinstance(scheduler, PolicyScheduler):
             raise BadRequestError("queue.scheduler is fifo: there is no policy to update")
         return scheduler
@@ -69,7 +75,7 @@ class SidecarControls:
             scheduler.reconfigure(new, now)
 
         try:
-            await self.dispatcher.call(change)
+            await self.loop.call(change)
         except ValueError as exc:
             raise BadRequestError(f"policy: {exc}") from None
         log.info("policy updated", policy=to_mapping(new))
@@ -81,9 +87,9 @@ class SidecarControls:
             fresh = load_config(path, overrides)
             self._policy()
             new = fresh.policy_config()
-            if "continuous_batching" not in fresh.policy:  # derived from the engine at start
-                running = self._policy().config.continuous_batching
-                new = replace(new, continuous_batching=running)
+            engine = self.profile()
+            if engine is not None:  # what the engine decides, unless the file pins it
+                new = fresh.policy_for_engine(new, engine)
             await self.apply(new)
         except (ConfigError, BadRequestError) as exc:
             log.error("config reload refused; the running policy stays", error=str(exc))
@@ -94,21 +100,15 @@ class SidecarControls:
         await self.on_draining(draining)
 
     async def backend_health(self) -> list[tuple[str, str, bool]]:
-        primary = self.service.backend
-        if isinstance(primary, TritonPool):
-            out = [("primary", e.url, e.ready) for e in primary.endpoints]
-        else:
-            out = [("primary", self.cfg.triton.url, self.service.backend_ready)]
-        for target, backend in self.service.backends.items():
-            if target is not Target.PRIMARY and isinstance(backend, TritonBackend):
-                out.append((target.value, backend.cfg.url, await backend.ready()))
+        out = []
+        for target, backend in self.backends.items():
+            out += [(target.value, url, ready) for url, ready in await backend.health()]
         return out
 
     def _tritons(self) -> list[TritonBackend]:
-        backend = self.service.backend
-        if not isinstance(backend, TritonPool):
+        if self.repository is None:
             raise BackendUnavailableError("the primary backend is not a Triton server")
-        return [e.backend for e in backend.endpoints]
+        return [e.backend for e in self.repository.endpoints]
 
     async def repository_index(self) -> list[tuple[str, str, str, str]]:
         return await self._tritons()[0].repository_index()

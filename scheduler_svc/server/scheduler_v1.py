@@ -18,8 +18,8 @@ from google.protobuf.message import DecodeError
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.core.types import Urgency
-from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.errors import BadRequestError, RequestError
+from scheduler_svc.loop import CoreLoop
 from scheduler_svc.server.status import Context, abort
 from scheduler_svc.service import Final, Finish, GenerationParams, GenerationService
 
@@ -132,28 +132,26 @@ class SchedulerFront:
 
 
 class AdminFront(pb_grpc.AdminServicer):
-    """Operator view and controls. Changes go through the dispatcher's owner task."""
+    """Operator view and controls. Changes go through the core loop's owner task."""
 
-    def __init__(
-        self, service: GenerationService, dispatcher: Dispatcher, controls: Controls
-    ) -> None:
+    def __init__(self, service: GenerationService, loop: CoreLoop, controls: Controls) -> None:
         self.service = service
-        self.dispatcher = dispatcher
+        self.loop = loop
         self.controls = controls
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.Stats:
-        stats = self.dispatcher.stats()
+        stats = self.loop.stats()
         kv = stats.kv
         return pb.Stats(
             queued=stats.queued,
             in_flight=stats.in_flight,
             max_queued=stats.max_queued,
             max_in_flight=stats.max_in_flight,
-            accepted_total=self.dispatcher.accepted,
-            rejected_total=self.dispatcher.rejected,
+            accepted_total=self.loop.accepted,
+            rejected_total=self.loop.rejected,
             finished_total=dict(self.service.outcomes),
             backend_ready=self.service.backend_ready,
-            scheduler=self.dispatcher.scheduler.name,
+            scheduler=self.loop.scheduler.name,
             lanes=[
                 pb.LaneStats(
                     name=lane.name,
@@ -182,7 +180,7 @@ class AdminFront(pb_grpc.AdminServicer):
             ],
             policy_events=dict(stats.counters),
             draining=self.service.draining,
-            leaked_reservations_total=self.dispatcher.leaked,
+            leaked_reservations_total=self.loop.leaked,
         )
 
     async def UpdatePolicy(
@@ -196,7 +194,7 @@ class AdminFront(pb_grpc.AdminServicer):
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         await self.controls.set_draining(True)
-        stats = self.dispatcher.stats()
+        stats = self.loop.stats()
         return pb.DrainResponse(queued=stats.queued, in_flight=stats.in_flight)
 
     async def Resume(self, request: pb.ResumeRequest, context: Context) -> pb.ResumeResponse:

@@ -96,19 +96,32 @@ def meets_slo(run: RunResult) -> bool:
     return n > 0 and sum(o.within_slo() for o in run.outcomes) / n >= SLO_ATTAINMENT
 
 
+def highest_rate(
+    meets: Callable[[float], bool], lo: float, hi: float, iterations: int = 7
+) -> tuple[float, list[tuple[float, bool]]]:
+    """Bisection over offered rates: the highest rate in [lo, hi] (to the resolution of
+    `iterations` halvings) at which `meets(rate)` holds, 0.0 if it fails at `lo`; and every
+    (rate, met) tried, in order. Shared by the simulator and `scheduler-svc bench`: QPS at the
+    P99 SLO is this search with an SLO predicate."""
+    if not 0 < lo < hi:
+        raise ValueError(f"need 0 < lo < hi (got {lo}, {hi})")
+    tried = [(lo, meets(lo))]
+    if not tried[0][1]:
+        return 0.0, tried
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        ok = meets(mid)
+        tried.append((mid, ok))
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo, tried
+
+
 def qps_at_slo(
     run_at: Callable[[float], RunResult], lo: float, hi: float, iterations: int = 7
 ) -> float:
     """The highest rate in [lo, hi] (to the bisection's resolution) whose run meets the SLO."""
-    if not meets_slo(run_at(lo)):
-        return 0.0
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        if meets_slo(run_at(mid)):
-            lo = mid
-        else:
-            hi = mid
-    return round(lo, 1)
+    rate, _ = highest_rate(lambda qps: meets_slo(run_at(qps)), lo, hi, iterations)
+    return round(rate, 1)
 
 
 def _cell(value: Any, unit: str = "") -> str:

@@ -39,6 +39,7 @@ LANE_SLO_TTFT_S = {"hot": 0.3, "warm": 1.0, "cold": 4.0}
 # Triton queue policy a careful user would set per priority level (seconds in queue).
 PRIORITY_TIMEOUT_S = {0: 0.5, 1: 2.0, 2: 10.0}
 DRAIN_S = 120.0
+# The Triton-with-priority target on a static engine: about one batch's rows in flight at once.
 STATIC_ROWS_IN_FLIGHT = 16
 
 
@@ -86,10 +87,8 @@ class RunResult:
 def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -> Scheduler | None:
     if target == "fifo":
         return None
-    # A static engine runs one batch at a time: hold about one batch back so buckets fill up
-    # while it works, instead of queueing many small batches inside the engine.
-    rows = cost.max_num_seqs if engine == "inflight" else STATIC_ROWS_IN_FLIGHT
     if target == "priority":
+        rows = cost.max_num_seqs if engine == "inflight" else STATIC_ROWS_IN_FLIGHT
         return FifoScheduler(max_queued=cost.max_queue_size, max_in_flight=rows)
     if target == "policy":
         kv = KvConfig(
@@ -97,9 +96,16 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
             tokens_per_block=cost.tokens_per_block,
             total_blocks=cost.total_blocks,
             max_seq_len=cost.max_seq_len,
-            max_in_flight=rows,
+            max_in_flight=cost.max_num_seqs,
         )
-        return PolicyScheduler(PolicyConfig(kv=kv, continuous_batching=engine == "inflight"))
+        # The sidecar's rule for an engine profile: an in-flight engine batches continuously;
+        # a static one runs one batch at a time, so exactly one released batch is in it.
+        inflight = engine == "inflight"
+        return PolicyScheduler(
+            PolicyConfig(
+                kv=kv, continuous_batching=inflight, max_batches_in_flight=None if inflight else 1
+            )
+        )
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
 
 

@@ -25,7 +25,7 @@ class SuiteParams:
     targets: tuple[str, ...] = TARGETS
     seed: int = 0
     duration_scale: float = 1.0  # multiplies each scenario's duration
-    slo_search: bool = True  # bisect for QPS at SLO (in-flight engine only)
+    slo_search: bool = True  # bisect for QPS at SLO (every engine; not for the burst)
     kv_mode: str = "paged"  # "contiguous" replays the source document's "before" allocation
 
 
@@ -48,10 +48,12 @@ def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None
                 if progress is not None:
                     progress(f"{name} / {engine} / {target}")
                 summary = summarize(simulate(scenario, target, engine, params.seed, kv_mode=kv))
-                if params.slo_search and engine == "inflight" and name != "burst":
+                if params.slo_search and name != "burst":
 
-                    def run_at(qps: float, s: Scenario = scenario, t: str = target) -> RunResult:
-                        return simulate(s, t, "inflight", params.seed, qps, kv_mode=kv)
+                    def run_at(
+                        qps: float, s: Scenario = scenario, t: str = target, e: str = engine
+                    ) -> RunResult:
+                        return simulate(s, t, e, params.seed, qps, kv_mode=kv)
 
                     summary["qps_at_slo"] = qps_at_slo(run_at, lo=0.5, hi=4 * scenario.qps)
                 rows.append(summary)

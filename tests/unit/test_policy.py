@@ -285,6 +285,56 @@ def test_queue_caps_reject_with_a_retry_hint() -> None:
     assert verdict.retry_after_s == 0.25 and "'only' is full" in verdict.message
 
 
+def static_policy() -> PolicyScheduler:
+    """The policy as the sidecar sets it for a static engine with one instance; lanes that
+    neither time out nor age within these tests."""
+    lanes = tuple(replace(lane, queue_timeout_s=None, max_wait_s=None) for lane in default_lanes())
+    return PolicyScheduler(
+        PolicyConfig(lanes=lanes, continuous_batching=False, max_batches_in_flight=1)
+    )
+
+
+def test_a_static_engine_gets_one_batch_at_a_time_and_buckets_fill_meanwhile() -> None:
+    policy = static_policy()
+    for i in range(16):
+        policy.submit(req(f"a{i}", 100), 0.0)  # a full hot bucket goes at once
+    first = policy.schedule(0.0)
+    assert len(dispatched(first)) == 16 and policy.stats().batches_in_flight == 1
+    for i in range(5):
+        policy.submit(req(f"b{i}", 120), 0.01)
+    # Past its batch timeout the next bucket is ready, but the engine is busy: it keeps filling.
+    assert dispatched(policy.schedule(0.2)) == []
+    for i in range(5, 9):
+        policy.submit(req(f"b{i}", 110), 0.21)
+    assert dispatched(policy.schedule(0.22)) == []
+    for i in range(15):
+        policy.on_done(f"a{i}", 0.3, 10)
+    assert dispatched(policy.schedule(0.3)) == []  # one row of the batch still runs
+    policy.on_done("a15", 0.4, 10)
+    second = policy.schedule(0.4)
+    assert sorted(dispatched(second)) == sorted(f"b{i}" for i in range(9))
+    assert len({d.batch.batch_id for d in second if isinstance(d, Dispatch) and d.batch}) == 1
+
+
+def test_when_a_static_engine_frees_the_hot_lane_goes_first() -> None:
+    policy = static_policy()
+    for i in range(8):
+        policy.submit(req(f"c{i}", 1500), 0.0)  # a full cold bucket takes the engine
+    assert len(dispatched(policy.schedule(0.0))) == 8
+    for i in range(10):
+        policy.submit(req(f"w{i}", 400), 0.01)
+    for i in range(4):
+        policy.submit(req(f"h{i}", 100), 0.02)
+    policy.schedule(0.2)  # both buckets are ready now, and wait for the engine
+    for i in range(8):
+        policy.on_done(f"c{i}", 0.5, 20)
+    nxt = policy.schedule(0.5)
+    assert sorted(dispatched(nxt)) == [f"h{i}" for i in range(4)]
+    for i in range(4):
+        policy.on_done(f"h{i}", 0.6, 20)
+    assert len(dispatched(policy.schedule(0.6))) == 10  # then the warm bucket
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random arrivals, time, completions, cancels and KV observations; invariants hold."""
 
@@ -300,6 +350,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.ends: dict[str, str] = {}  # request id -> terminal state
         self.admitted: set[str] = set()
         self.in_flight: set[str] = set()
+        self.batch_of: dict[str, int] = {}
 
     @rule(
         prompt=st.integers(1, 3000),
@@ -322,6 +373,7 @@ class PolicyMachine(RuleBasedStateMachine):
     @rule(dt=st.floats(0.0, 0.7))
     def tick(self, dt: float) -> None:
         self.now += dt
+        released = False
         for decision in self.policy.schedule(self.now):
             rid = decision.request_id
             assert rid in self.admitted and rid not in self.ends and rid not in self.in_flight
@@ -334,6 +386,13 @@ class PolicyMachine(RuleBasedStateMachine):
             lengths = decision.batch.prompt_tokens
             assert max(lengths) <= lane.max_ratio * min(lengths)
             self.in_flight.add(rid)
+            self.batch_of[rid] = decision.batch.batch_id
+            released = True
+        limit = self.config.max_batches_in_flight
+        if released and limit is not None:
+            running = {self.batch_of[r] for r in self.in_flight}
+            assert len(running) <= limit, f"{len(running)} batches in flight, limit {limit}"
+            assert self.policy.stats().batches_in_flight == len(running)
         self.check_waits()
 
     def check_waits(self) -> None:
@@ -345,9 +404,12 @@ class PolicyMachine(RuleBasedStateMachine):
             [r for r, t in self.policy.in_flight_ids().items() if t is Target.PRIMARY]
         )
 
+        limit = self.config.max_batches_in_flight
+        slot = limit is None or self.policy.stats().batches_in_flight < limit
+
         def fits(entry: Entry) -> bool:
             need = self.policy.mirror.need(entry.prompt_tokens, entry.predicted_output)
-            return need <= free and rows > 0
+            return need <= free and rows > 0 and slot
 
         overdue = []
         for rid, lane_name in self.policy.queued_ids().items():
@@ -363,9 +425,11 @@ class PolicyMachine(RuleBasedStateMachine):
                 ]
                 assert blocked_older, f"{entry.request_id} overdue with room free"
 
-    @rule(continuous=st.booleans())
-    def engine_batching(self, continuous: bool) -> None:
-        self.config = replace(self.config, continuous_batching=continuous)
+    @rule(continuous=st.booleans(), batches=st.sampled_from([None, 1, 2]))
+    def engine_batching(self, continuous: bool, batches: int | None) -> None:
+        self.config = replace(
+            self.config, continuous_batching=continuous, max_batches_in_flight=batches
+        )
         self.policy.reconfigure(self.config, self.now)
 
     @precondition(lambda self: self.in_flight)

@@ -1,0 +1,119 @@
+"""`GenerationService` over the core loop and a scripted backend: the request path, one way.
+
+Unit tests of the shell only; tests/integration/ prove the same path against the real Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from scheduler_svc.backends.base import Batching, EngineProfile
+from scheduler_svc.config import SidecarConfig
+from scheduler_svc.core.types import Target
+from scheduler_svc.errors import BackendFailedError, QueueTimeoutError
+from scheduler_svc.loop import CoreLoop
+from scheduler_svc.runner import runner_for
+from scheduler_svc.server.app import make_scheduler
+from scheduler_svc.service import Delta, Final, Finish, GenerationParams, GenerationService
+from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer()
+WORD = TOKENIZER.encode(" hello", add_special_tokens=False).ids[0]
+
+
+def serve(
+    backend: ScriptedBackend,
+    body: Callable[[GenerationService], Awaitable[None]],
+    **policy: object,
+) -> None:
+    cfg = SidecarConfig.model_validate({"policy": policy})
+
+    async def main() -> None:
+        loop = CoreLoop(make_scheduler(cfg))
+        engine = await backend.profile()
+        loop.set_runners({Target.PRIMARY: runner_for(engine, backend, loop)})
+        loop.start()
+        service = GenerationService(cfg, TOKENIZER, loop)
+        service.backend_ready = True
+        try:
+            await body(service)
+        finally:
+            await loop.close()
+
+    asyncio.run(main())
+
+
+async def collect(service: GenerationService, params: GenerationParams) -> list[Delta | Final]:
+    return [event async for event in service.generate(params)]
+
+
+def test_text_in_text_out_through_a_static_batch() -> None:
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        params = [
+            GenerationParams(f"r{i}", prompt="Tell me a story", max_tokens=1) for i in range(3)
+        ]
+        answers = await asyncio.gather(*(collect(service, p) for p in params))
+        for events in answers:
+            final = events[-1]
+            assert isinstance(final, Final)
+            assert final.text == " hello" and final.completion_tokens == 1
+            assert final.finish is Finish.LENGTH and final.lane == "hot"
+            assert "".join(e.text for e in events if isinstance(e, Delta)) == " hello"
+        assert sum(len(call.rows) for call in backend.calls) == 3
+
+    serve(backend, body)
+
+
+def test_a_stop_string_ends_the_answer_and_stops_the_row_in_the_engine() -> None:
+    backend = ScriptedBackend(first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        events = await collect(
+            service, GenerationParams("r", prompt="Say hello", max_tokens=50, stop=("hello",))
+        )
+        final = events[-1]
+        assert isinstance(final, Final) and final.finish is Finish.STOP
+        assert final.completion_tokens < 50
+        for _ in range(1000):
+            if backend.calls[0].stopped or backend.calls[0].finished:
+                break
+            await asyncio.sleep(0.001)
+        assert backend.calls[0].stopped  # the engine request ended early, not at max_tokens
+        assert service.outcomes["ok"] == 1
+
+    serve(backend, body)
+
+
+def test_a_queue_timeout_and_a_backend_failure_reach_the_caller_as_their_errors() -> None:
+    backend = ScriptedBackend(
+        EngineProfile(Batching.STATIC, 64), fail_with=BackendFailedError("boom")
+    )
+
+    async def body(service: GenerationService) -> None:
+        backend.hold()
+        first = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x y z")))
+        for _ in range(1000):
+            if backend.calls:
+                break
+            await asyncio.sleep(0.001)
+        try:  # the engine is busy with "a": "b" waits past its own timeout
+            await collect(service, GenerationParams("b", prompt="x y z", queue_timeout_s=0.05))
+        except QueueTimeoutError as exc:
+            assert "queue" in str(exc)
+        else:
+            raise AssertionError("expected a queue timeout")
+        backend.release()
+        try:
+            await first
+        except BackendFailedError as exc:
+            assert "boom" in str(exc)
+        else:
+            raise AssertionError("expected the backend's failure")
+        assert service.outcomes["queue_timeout"] == 1 and service.outcomes["backend_failed"] == 1
+
+    lane = {"name": "hot", "queue_timeout_s": None, "max_wait_s": None}
+    serve(backend, body, lanes=[lane], max_batches_in_flight=1)
