@@ -183,21 +183,21 @@ class SidecarConfig(_Frozen):
     def policy_for_engine(self, base: PolicyConfig, engine: EngineProfile) -> PolicyConfig:
         """`base` with what the engine's profile decides, where the `policy` section does not
         pin it: a static engine gets no continuous batching and as many batches in flight as
-        it runs at once; an in-flight engine batches continuously with no batch limit. Rows in
-        flight never exceed what the engine runs (max_num_sequences, and for a static engine
-        the rows one request may carry)."""
+        it runs at once; an in-flight engine batches continuously with no batch limit. A static
+        engine refuses a request with more rows than it runs (max_num_sequences) or than a
+        request may carry (max_batch_size), so its rows in flight are capped there; an in-flight
+        engine merely queues what it cannot run yet."""
         static = engine.batching is Batching.STATIC
         changes: dict[str, Any] = {}
         if "continuous_batching" not in self.policy:
             changes["continuous_batching"] = not static
         if "max_batches_in_flight" not in self.policy:
             changes["max_batches_in_flight"] = engine.batches_at_once if static else None
-        limits = [base.kv.max_in_flight, engine.max_num_sequences]
         if static:
-            limits.append(engine.max_batch_size * engine.batches_at_once)
-        rows = min(n for n in limits if n is not None)
-        if rows != base.kv.max_in_flight:
-            changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
+            per_batch = min(engine.max_batch_size, engine.max_num_sequences or 1 << 30)
+            rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)
+            if rows != base.kv.max_in_flight:
+                changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
         return dataclasses.replace(base, **changes) if changes else base
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:

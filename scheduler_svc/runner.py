@@ -203,8 +203,11 @@ class StaticRunner(_Runner):
         finished = [False] * len(rows)
 
         def reader_left() -> None:
-            if all(r.channel.closed or r.channel.ended for r in rows):
-                me.cancel()  # nobody reads any more: end the request inside the engine
+            # Nobody reads any more while a row still runs: end the request inside the engine.
+            # (Once every row has ended, the request is finishing by itself.)
+            open_rows = [r for r in rows if not r.channel.ended]
+            if open_rows and all(r.channel.closed for r in open_rows):
+                me.cancel()
 
         for row in rows:
             row.channel.on_close(reader_left)

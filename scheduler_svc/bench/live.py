@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,14 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.backends.triton import build_request, is_final, output_ids
-from scheduler_svc.bench.plan import LANES, EngineDelta, Outcome, classify_error, lane_of
+from scheduler_svc.bench.plan import (
+    LANES,
+    SMART_BATCHING,
+    EngineDelta,
+    Outcome,
+    classify_error,
+    lane_of,
+)
 from scheduler_svc.modelrepo import copy_engine_variant
 from scheduler_svc.sim.workload import SimRequest
 from scheduler_svc.tokenizer import load_tokenizer
@@ -148,15 +155,19 @@ def start_sidecar(
 
 
 def sidecar_config(
-    strategy: str, scheduler: str, metrics_url: str, slo: dict[str, float]
+    strategy: str, target: str, metrics_url: str, slo: dict[str, float]
 ) -> dict[str, Any]:
-    """One sidecar's config. The policy's lane timers are the document's, rescaled to this
-    engine: a lane's queue timeout and aging bound are its SLO, not an A100's milliseconds."""
+    """One sidecar's config (`target`: fifo, or a policy with one of the document's SmartBatching
+    settings). The policy's lane timers are the document's, rescaled to this engine: a lane's
+    queue timeout and aging bound are its SLO, not an A100's milliseconds."""
+    scheduler = "fifo" if target == "fifo" else "policy"
     config: dict[str, Any] = {
         "triton": {"engine_model": engine_model(strategy), "metrics_url": metrics_url},
         "queue": {"scheduler": scheduler, "max_in_flight": MAX_SEQUENCES},
     }
     if scheduler == "policy":
+        ratio, timeout = SMART_BATCHING[target]
+        batching = {"max_ratio": ratio, "batch_timeout_s": timeout}
         config["policy"] = {
             "lanes": [
                 {"name": "hot", "queue_timeout_s": slo["hot"], "max_wait_s": slo["hot"]},
@@ -164,6 +175,8 @@ def sidecar_config(
                 {"name": "cold", "max_wait_s": slo["cold"]},
             ]
         }
+        for lane in config["policy"]["lanes"]:
+            lane.update(batching)
     return config
 
 
@@ -174,16 +187,16 @@ class Stack:
     sidecars: dict[tuple[str, str], str]  # (engine strategy, scheduler) -> address
     processes: list[subprocess.Popen[str]]
 
-    def add_sidecars(self, strategy: str, slo: dict[str, float]) -> None:
-        for scheduler in ("fifo", "policy"):
-            path = self.workdir / f"sidecar-{strategy}-{scheduler}.yaml"
-            config = sidecar_config(strategy, scheduler, self.triton.metrics_url, slo)
+    def add_sidecars(self, strategy: str, slo: dict[str, float], targets: Sequence[str]) -> None:
+        for target in targets:
+            path = self.workdir / f"sidecar-{strategy}-{target}.yaml"
+            config = sidecar_config(strategy, target, self.triton.metrics_url, slo)
             path.write_text(yaml.safe_dump(config))
             proc, address = start_sidecar(
-                self.triton.grpc_url, self.workdir / f"sidecar-{strategy}-{scheduler}.log", path
+                self.triton.grpc_url, self.workdir / f"sidecar-{strategy}-{target}.log", path
             )
             self.processes.append(proc)
-            self.sidecars[(strategy, scheduler)] = address
+            self.sidecars[(strategy, target)] = address
 
 
 @contextmanager

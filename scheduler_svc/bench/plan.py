@@ -17,11 +17,20 @@ from scheduler_svc.sim.report import percentile
 from scheduler_svc.sim.workload import RequestClass, Scenario, SimRequest, generate
 
 TARGETS = ("triton", "fifo", "policy")
+# The source document's SmartBatching settings (max_ratio, batch timeout): the policy target runs
+# the first; the QPS-at-SLO search on a static engine runs the others as extra sidecars too.
+SMART_BATCHING = {"policy": (1.5, 0.05), "policy_2.0_30": (2.0, 0.03), "policy_1.2_80": (1.2, 0.08)}
+MATRIX_TARGETS = ("policy_2.0_30", "policy_1.2_80")
 TARGET_NAMES = {
     "triton": "Triton alone",
     "fifo": "sidecar FIFO",
     "policy": "sidecar policy",
+    "policy_2.0_30": "sidecar policy 2.0 / 30 ms",
+    "policy_1.2_80": "sidecar policy 1.2 / 80 ms",
 }
+# QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
+# this share of its requests was refused or failed.
+MAX_REFUSED = 0.01
 LANES = ("hot", "warm", "cold")
 STATES = ("ok", "rejected_fast", "rejected_queued", "failed")
 LANE_BOUNDS = (256, 1024)  # prompt tokens where warm and cold begin (the source document's)
@@ -86,6 +95,15 @@ class Plan:
     calibrate_s: float
     deadline_s: float  # the client gives up on a request after this long
     overhead_rounds: int
+    # QPS at the P99 SLO: (engine, mix) points searched by bisection over offered rates in
+    # `slo_range` (multiples of the calibrated capacity), `slo_iterations` halvings, each trial
+    # an open-loop run of `slo_window_s`.
+    slo_points: tuple[tuple[str, str], ...] = ()
+    slo_range: tuple[float, float] = (0.25, 2.0)
+    slo_iterations: int = 4
+    slo_window_s: float = 8.0
+    # Points where the document's other SmartBatching settings are searched too (its matrix).
+    slo_matrix: tuple[tuple[str, str], ...] = ()
 
     def mixes(self, engine: str) -> list[str]:
         """Mixes to calibrate on `engine` (the burst is offered at the chat mix's rate)."""
@@ -94,7 +112,14 @@ class Plan:
             mix = "chat" if step.mix == "burst" else step.mix
             if step.engine == engine and mix not in out:
                 out.append(mix)
+        for point_engine, mix in self.slo_points:
+            if point_engine == engine and mix not in out:
+                out.append(mix)
         return out
+
+    def slo_targets(self, engine: str, mix: str) -> tuple[str, ...]:
+        """Who the QPS-at-SLO search runs at a point."""
+        return TARGETS + (MATRIX_TARGETS if (engine, mix) in self.slo_matrix else ())
 
 
 def _grid(engine: str, mixes: Iterable[str], loads: Iterable[float]) -> list[Step]:
@@ -110,13 +135,16 @@ QUICK = Plan(
     calibrate_s=5.0,
     deadline_s=15.0,
     overhead_rounds=15,
+    slo_points=(("inflight", "mixed"),),
+    slo_iterations=1,
+    slo_window_s=4.0,
 )
 FULL = Plan(
     "full",
     ("inflight", "static"),
     tuple(
-        _grid("inflight", ["chat", "mixed", "spread_8to1"], [0.5, 0.8, 1.0, 1.2])
-        + _grid("inflight", ["long_docs"], [0.8, 1.2])
+        _grid("inflight", ["chat", "mixed", "spread_8to1"], [0.8, 1.2])
+        + _grid("inflight", ["long_docs"], [1.2])
         + [Step("inflight", "burst", BURST_LOAD)]
         + _grid("static", ["mixed", "spread_8to1"], [0.8, 1.2])
     ),
@@ -125,6 +153,8 @@ FULL = Plan(
     calibrate_s=8.0,
     deadline_s=30.0,
     overhead_rounds=60,
+    slo_points=(("static", "spread_8to1"), ("static", "mixed"), ("inflight", "spread_8to1")),
+    slo_matrix=(("static", "spread_8to1"),),
 )
 PLANS = {p.name: p for p in (QUICK, FULL)}
 
@@ -262,6 +292,18 @@ def summarize(
         "kv_fragmentation": _mean(engine.fragmentation),
         "send_lag_p99_ms": to_ms(percentile(lags, 99)),
     }
+
+
+def meets_slo(summary: dict[str, Any], slo: dict[str, float]) -> bool:
+    """Every lane's P99 time to first token within its SLO, at most MAX_REFUSED not served."""
+    if not summary["requests"]:
+        return False
+    refused = (summary["requests"] - summary["ok"]) / summary["requests"]
+    for lane, figures in summary["lanes"].items():
+        p99 = figures["ttft_p99_ms"]
+        if figures["ok"] and (p99 is None or p99 > slo[lane] * 1000):
+            return False
+    return bool(refused <= MAX_REFUSED)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

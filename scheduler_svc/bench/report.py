@@ -151,6 +151,58 @@ def overhead(results: dict[str, Any]) -> list[str]:
     return _table(["target", "requests", "P50 end-to-end", "P99 end-to-end", "added P50"], rows)
 
 
+def _searched(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+    """The QPS-at-SLO searches by (engine, mix), then by target."""
+    out: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for row in results.get("slo_search", []):
+        out.setdefault((row["engine"], row["mix"]), {})[row["target"]] = row
+    return out
+
+
+def qps_at_slo(results: dict[str, Any]) -> list[str]:
+    """The document's metric: the highest offered rate meeting every lane's P99 TTFT SLO."""
+    rows = []
+    for (engine, mix), by_target in _searched(results).items():
+        qps = [by_target.get(t, {}).get("qps_at_slo") for t in TARGETS]
+        triton, policy = qps[0], qps[2]
+        rows.append([engine, mix, *(_fmt(q, "/s") for q in qps), _fmt(ratio(policy, triton), "×")])
+    header = ["engine", "mix", *(TARGET_NAMES[t] for t in TARGETS), "policy ÷ Triton"]
+    return _table(header, rows)
+
+
+def slo_matrix(results: dict[str, Any], engine: str, mix: str) -> list[str]:
+    """The document's parameter matrix: each target at its QPS at SLO, and what the engine did
+    there."""
+    by_target = _searched(results).get((engine, mix), {})
+    base = by_target.get("triton", {}).get("qps_at_slo")
+    rows = []
+    for target, row in by_target.items():
+        at = row.get("at_slo") or {}
+        rows.append(
+            [
+                TARGET_NAMES[target],
+                _fmt(row["qps_at_slo"], "/s"),
+                _fmt(ratio(row["qps_at_slo"], base), "×"),
+                _fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
+                _pct(at.get("slot_occupancy")),
+                _pct(at.get("padding_ratio")),
+                _pct(at.get("generation_waste")),
+                str(len(row["trials"])),
+            ]
+        )
+    header = [
+        "target (max_ratio / timeout)",
+        "QPS at SLO",
+        "÷ Triton alone",
+        "worst lane P99 TTFT",
+        "slot occupancy",
+        "prompt padding",
+        "idle generation slots",
+        "trials",
+    ]
+    return _table(header, rows)
+
+
 def top_load(results: dict[str, Any], engine: str, mix: str) -> float:
     return max(load for e, m, load in steps(results) if e == engine and m == mix)
 
@@ -179,6 +231,11 @@ def markdown(results: dict[str, Any]) -> str:
         load = top_load(results, engine, mix)
         lines += [f"## {mix}, {engine} engine, {load:g}× capacity", ""]
         lines += [*headline(results, engine, mix, load), ""]
+    if results.get("slo_search"):
+        lines += ["## QPS at the P99 SLO", "", *qps_at_slo(results), ""]
+        for engine, mix in _searched(results):
+            lines += [f"### {mix}, {engine} engine, at the P99 SLO", ""]
+            lines += [*slo_matrix(results, engine, mix), ""]
     lines += ["## Sidecar overhead (short requests, one at a time)", "", *overhead(results), ""]
     lines += ["## Every run", "", *all_runs(results), ""]
     return "\n".join(lines)

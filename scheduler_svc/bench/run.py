@@ -37,7 +37,7 @@ from scheduler_svc.bench.live import (
     stack,
     unloaded_ttft,
 )
-from scheduler_svc.sim.report import percentile
+from scheduler_svc.sim.report import RateSearch, percentile
 from scheduler_svc.sim.workload import SimRequest
 
 IDLE_WAIT_S = 60.0
@@ -195,7 +195,10 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             cal = await _calibrate(st, strategy, plan, prompts, seed)
             results["calibration"][strategy] = cal
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
-            st.add_sidecars(strategy, slo)
+            targets = ["fifo", "policy"]
+            if any(engine == strategy for engine, _ in plan.slo_matrix):
+                targets += P.MATRIX_TARGETS
+            st.add_sidecars(strategy, slo, targets)
             progress.advance(f"calibrated the {strategy} engine")
         progress.show("sidecar overhead")
         results["overhead"] = await _overhead(st, plan.overhead_rounds, prompts)
@@ -234,12 +237,61 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
                     }
                 )
                 progress.advance(label)
+        results["slo_search"] = await _slo_search(st, plan, results, prompts, seed, progress)
     triton_log.close()
     return results
 
 
+async def _slo_search(
+    st: Stack,
+    plan: P.Plan,
+    results: dict[str, Any],
+    prompts: Prompts,
+    seed: int,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    """QPS at the P99 SLO for every target at every searched point, by the shared bisection
+    (`RateSearch`). A rate's arrivals are the same for every target (seeded by the rate)."""
+    out: list[dict[str, Any]] = []
+    for engine, mix in plan.slo_points:
+        cal = results["calibration"][engine]
+        capacity = cal["capacity_rps"][mix]
+        slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
+        lo, hi = plan.slo_range
+        for target in plan.slo_targets(engine, mix):
+            search = RateSearch(lo * capacity, hi * capacity, plan.slo_iterations)
+            trials: list[dict[str, Any]] = []
+            while (rate := search.next_rate()) is not None:
+                label = f"QPS at SLO: {engine} {mix} {P.TARGET_NAMES[target]} at {rate:.2f}/s"
+                progress.show(label)
+                sim = P.schedule(mix, rate, plan.slo_window_s, seed + round(rate * 1000))
+                requests = materialize(sim, prompts, f"slo-{len(out)}-{len(trials)}")
+                step = P.Step(engine, mix, rate / capacity)
+                outcomes, delta = await _one_run(st, step, target, requests, plan)
+                summary = P.summarize(outcomes, plan.slo_window_s, slo, delta)
+                met = P.meets_slo(summary, slo)
+                search.record(rate, met)
+                trials.append({"rate_rps": round(rate, 3), "met": met, "summary": summary})
+                progress.advance(label)
+            best = [t for t in trials if t["met"] and t["rate_rps"] == round(search.rate, 3)]
+            out.append(
+                {
+                    "engine": engine,
+                    "mix": mix,
+                    "target": target,
+                    "capacity_rps": capacity,
+                    "qps_at_slo": round(search.rate, 3),
+                    "at_slo": best[0]["summary"] if best else None,
+                    "trials": trials,
+                }
+            )
+    return out
+
+
 def total_steps(plan: P.Plan) -> int:
-    return len(plan.engines) + 1 + len(plan.steps) * len(P.TARGETS)
+    trials = 1 + plan.slo_iterations
+    searches = sum(len(plan.slo_targets(*point)) for point in plan.slo_points)
+    return len(plan.engines) + 1 + len(plan.steps) * len(P.TARGETS) + searches * trials
 
 
 def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[str, Any]:

@@ -96,32 +96,55 @@ def meets_slo(run: RunResult) -> bool:
     return n > 0 and sum(o.within_slo() for o in run.outcomes) / n >= SLO_ATTAINMENT
 
 
+class RateSearch:
+    """Bisection over offered rates for the highest one that meets a target, without I/O: ask
+    `next_rate()`, run a trial there however the caller runs trials (the simulator at once,
+    `scheduler-svc bench` against a live stack), `record` whether it met the target. QPS at
+    the P99 SLO is this search with an SLO predicate; both harnesses share it.
+
+    The first trial is at `lo`; if it fails the answer is 0. Then `iterations` halvings of
+    [lo, hi]. `rate` is the highest rate that met the target, `tried` every (rate, met)."""
+
+    def __init__(self, lo: float, hi: float, iterations: int) -> None:
+        if not 0 < lo < hi:
+            raise ValueError(f"need 0 < lo < hi (got {lo}, {hi})")
+        self.lo, self.hi, self.left = lo, hi, iterations
+        self.tried: list[tuple[float, bool]] = []
+
+    def next_rate(self) -> float | None:
+        """Where to try next; None when the search is over."""
+        if not self.tried:
+            return self.lo
+        if not self.tried[0][1] or self.left == 0:
+            return None
+        return (self.lo + self.hi) / 2
+
+    def record(self, rate: float, met: bool) -> None:
+        if self.tried:
+            self.left -= 1
+            self.lo, self.hi = (rate, self.hi) if met else (self.lo, rate)
+        self.tried.append((rate, met))
+
+    @property
+    def rate(self) -> float:
+        return self.lo if self.tried and self.tried[0][1] else 0.0
+
+
 def highest_rate(
     meets: Callable[[float], bool], lo: float, hi: float, iterations: int = 7
-) -> tuple[float, list[tuple[float, bool]]]:
-    """Bisection over offered rates: the highest rate in [lo, hi] (to the resolution of
-    `iterations` halvings) at which `meets(rate)` holds, 0.0 if it fails at `lo`; and every
-    (rate, met) tried, in order. Shared by the simulator and `scheduler-svc bench`: QPS at the
-    P99 SLO is this search with an SLO predicate."""
-    if not 0 < lo < hi:
-        raise ValueError(f"need 0 < lo < hi (got {lo}, {hi})")
-    tried = [(lo, meets(lo))]
-    if not tried[0][1]:
-        return 0.0, tried
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        ok = meets(mid)
-        tried.append((mid, ok))
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo, tried
+) -> RateSearch:
+    """A whole `RateSearch` with a predicate that runs its own trials."""
+    search = RateSearch(lo, hi, iterations)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, meets(rate))
+    return search
 
 
 def qps_at_slo(
     run_at: Callable[[float], RunResult], lo: float, hi: float, iterations: int = 7
 ) -> float:
     """The highest rate in [lo, hi] (to the bisection's resolution) whose run meets the SLO."""
-    rate, _ = highest_rate(lambda qps: meets_slo(run_at(qps)), lo, hi, iterations)
-    return round(rate, 1)
+    return round(highest_rate(lambda qps: meets_slo(run_at(qps)), lo, hi, iterations).rate, 1)
 
 
 def _cell(value: Any, unit: str = "") -> str:

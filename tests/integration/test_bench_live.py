@@ -46,7 +46,21 @@ def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> Non
     for target in bp.TARGETS:
         assert stored["overhead"][target]["n"] == bp.QUICK.overhead_rounds
         assert stored["overhead"][target]["e2e_p50_ms"] > 0
+    # QPS at the P99 SLO: the shared bisection ran for every target, and its answer is the
+    # highest rate whose measured run met the SLO.
+    slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
+    searched = stored["slo_search"]
+    assert [r["target"] for r in searched] == list(bp.TARGETS)
+    for r in searched:
+        trials = r["trials"]
+        assert 1 <= len(trials) <= 1 + bp.QUICK.slo_iterations
+        assert trials[0]["rate_rps"] == round(bp.QUICK.slo_range[0] * r["capacity_rps"], 3)
+        assert all(t["met"] == bp.meets_slo(t["summary"], slo) for t in trials)
+        met = [t["rate_rps"] for t in trials if t["met"]]
+        assert r["qps_at_slo"] == (max(met) if met else 0.0)
+        assert all(t["summary"]["requests"] > 0 for t in trials)
     text = (tmp_path / "results.md").read_text()
+    assert "## QPS at the P99 SLO" in text
     assert "## mixed, inflight engine, 1.2× capacity" in text
     assert "## burst, inflight engine, 10× capacity" in text
     assert results["plots"] and all((tmp_path / p).stat().st_size > 0 for p in results["plots"])

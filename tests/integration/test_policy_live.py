@@ -183,20 +183,27 @@ def test_update_policy_applies_from_the_next_batch(
         assert message in caught.value.details()
 
 
-def test_batch_mode_keeps_the_length_ratio_inside_a_static_engine(
+def test_a_static_engine_runs_each_bucket_as_its_own_batch(
     variants: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
 ) -> None:
-    """Six rows of two lengths, sent together. In batch mode the policy's two buckets reach the
-    static engine as two requests, so the engine pads within the 1.5 ratio; a pass-through
-    FIFO lets the engine batch all six together and pad the short rows to the long ones."""
+    """A long request keeps the static engine busy; meanwhile six rows of two lengths arrive.
+    The sidecar reads the engine profile (V1), keeps one batch in the engine, and sends each
+    bucket as one multi-row request when the engine frees: the engine pads within the 1.5
+    ratio. A pass-through FIFO lets all six wait inside the engine, whose batcher packs them
+    together, length-blind, and pads the short rows to the long ones."""
     short, long = text_of(20), text_of(200)
     engine = "engine_static"
 
     def padding_of(config: dict[str, Any], name: str) -> tuple[float, float]:
         sidecar = sidecar_factory(variants, {"triton": {"engine_model": engine}, **config}, name)
+        wait_engine_idle(variants.metrics_url, engine)
         before = scrape(variants.metrics_url)
+        blocker = threading.Thread(target=ask, args=(sidecar, text_of(100), 40))
+        blocker.start()
+        eventually(lambda: stats(sidecar).in_flight == 1, "the long request runs")
         jobs = [lambda p=p: ask(sidecar, p, 3) for p in [short, long] * 3]
         results = in_threads(jobs)
+        blocker.join(WAIT_S)
         assert all(isinstance(r, pb.GenerateResponse) for r in results), results
         wait_engine_idle(variants.metrics_url, engine)
         after = scrape(variants.metrics_url)
@@ -211,24 +218,19 @@ def test_batch_mode_keeps_the_length_ratio_inside_a_static_engine(
         requests = delta("nv_inference_request_success_total")
         return 1 - useful / processed, requests
 
-    # A static engine runs one batch at a time: the sidecar keeps one batch in flight (three
-    # rows here) so the next bucket reaches the engine on its own.
+    # Nothing pins the batching: the rules come from the engine profile alone.
     policy_padding, policy_requests = padding_of(
-        {
-            # dispatch: auto reads the engine's gpt_model_type (V1) and picks batch
-            "triton": {"engine_model": engine, "dispatch": "auto"},
-            "queue": {"max_in_flight": 3},
-            # a bucket waits up to 0.5 s for its rows, so six threads' requests surely meet
-            "policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]},
-        },
+        # a bucket waits up to 0.5 s for its rows, so six threads' requests surely meet
+        {"policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]}},
         "policy",
     )
-    fifo_padding, _ = padding_of(
-        {"queue": {"scheduler": "fifo"}, "triton": {"engine_model": engine}}, "fifo"
-    )
-    assert policy_requests == 2  # one multi-row request per bucket
-    assert policy_padding <= 1 - 1 / 1.5  # the ratio bound, as the engine counted it
-    assert fifo_padding > policy_padding
+    fifo_padding, fifo_requests = padding_of({"queue": {"scheduler": "fifo"}}, "fifo")
+    assert policy_requests == 3  # the blocker, then one multi-row request per bucket
+    # Each bucket holds rows of one length here, so the engine pads next to nothing (the 1.5
+    # ratio bound is the most it could).
+    assert policy_padding <= 0.05
+    assert fifo_requests == 7  # one request per row
+    assert fifo_padding > 0.3  # 20-token rows padded to 200 in one engine batch
 
 
 def test_the_breaker_opens_under_a_hot_backlog_and_closes_after(
@@ -452,7 +454,8 @@ def test_a_batch_whose_triton_dies_mid_stream_ends_every_member_clearly(
     doomed = TritonServer(CPU_REPO, **ports).start()
     try:
         config = {
-            "triton": {"dispatch": "batch", "health_interval_s": 0.2},
+            # a multi-row request per batch on this in-flight engine, as a static one gets
+            "triton": {"engine_batching": "static", "health_interval_s": 0.2},
             "policy": {"lanes": [{**PATIENT_HOT["lanes"][0], "batch_timeout_s": 0.5}]},
         }
         sidecar = sidecar_factory(doomed, config)

@@ -198,3 +198,19 @@ def test_write_leaves_json_markdown_and_plots(tmp_path: Path) -> None:
     assert sorted(results["plots"]) == ["cdf_inflight_chat.png", "load_inflight_chat.png"]
     for name in results["plots"]:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_meets_the_p99_slo_only_with_every_lane_in_time_and_almost_nothing_refused() -> None:
+    slo = {"hot": 0.1, "warm": 0.5, "cold": 1.0}
+    engine = EngineDelta(100.0, 100.0)
+
+    def summary(hot_ttfts: list[float], refused: int = 0) -> dict[str, Any]:
+        outcomes = [Outcome("hot", 100, "ok", ttft_s=t, e2e_s=t + 0.1) for t in hot_ttfts]
+        outcomes += [Outcome("warm", 500, "rejected_fast", error="full")] * refused
+        return bp.summarize(outcomes, 1.0, slo, engine)
+
+    assert bp.meets_slo(summary([0.05] * 200), slo)
+    assert not bp.meets_slo(summary([0.05] * 98 + [0.2] * 2), slo)  # P99 over the hot SLO
+    assert bp.meets_slo(summary([0.05] * 200, refused=2), slo)  # 2 of 202 refused: < 1 %
+    assert not bp.meets_slo(summary([0.05] * 100, refused=2), slo)  # 2 of 102: > 1 %
+    assert not bp.meets_slo(summary([]), slo)  # nothing offered, nothing shown

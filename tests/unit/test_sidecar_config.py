@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tritonclient.grpc import model_config_pb2
 
+from scheduler_svc.backends.base import Batching, EngineProfile
+from scheduler_svc.backends.triton import profile_from_config
 from scheduler_svc.config import load_config
 from scheduler_svc.errors import ConfigError
 
@@ -49,3 +52,43 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_the_example_config_documents_the_defaults() -> None:
     example = Path(__file__).resolve().parents[2] / "config.example.yaml"
     assert load_config(example) == load_config(None)
+
+
+def test_the_engine_profile_is_read_from_the_models_config() -> None:
+    config = model_config_pb2.ModelConfig(max_batch_size=64)
+    config.instance_group.add(count=2)
+    for key, value in [
+        ("gpt_model_type", "V1"),
+        ("max_num_sequences", "16"),
+        ("max_num_tokens", "${max_num_tokens}"),  # an unrendered template: unknown
+        ("max_tokens_in_paged_kv_cache", "16384"),
+        ("tokens_per_block", "16"),
+    ]:
+        config.parameters[key].string_value = value
+    profile = profile_from_config(config, "auto")
+    assert profile == EngineProfile(
+        Batching.STATIC,
+        max_batch_size=64,
+        batches_at_once=2,
+        max_num_sequences=16,
+        max_num_tokens=None,
+        kv_total_blocks=1024,
+    )
+    config.parameters["gpt_model_type"].string_value = "inflight_fused_batching"
+    assert profile_from_config(config, "auto").batching is Batching.INFLIGHT
+    assert profile_from_config(config, "static").batching is Batching.STATIC  # the override
+
+
+def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them() -> None:
+    static = EngineProfile(Batching.STATIC, max_batch_size=8, batches_at_once=1)
+    inflight = EngineProfile(Batching.INFLIGHT, max_batch_size=64, max_num_sequences=16)
+    cfg = load_config(None, {"queue": {"max_in_flight": 32}})
+    base = cfg.policy_config()
+    held = cfg.policy_for_engine(base, static)
+    assert (held.continuous_batching, held.max_batches_in_flight) == (False, 1)
+    assert held.kv.max_in_flight == 8  # one batch of at most max_batch_size rows
+    flowing = cfg.policy_for_engine(base, inflight)
+    assert (flowing.continuous_batching, flowing.max_batches_in_flight) == (True, None)
+    assert flowing.kv.max_in_flight == 32  # an in-flight engine queues the rest itself
+    pinned = load_config(None, {"policy": {"max_batches_in_flight": 2}})
+    assert pinned.policy_for_engine(pinned.policy_config(), static).max_batches_in_flight == 2

@@ -6,7 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
-from scheduler_svc.sim.report import percentile, summarize
+from scheduler_svc.sim.report import highest_rate, percentile, summarize
 from scheduler_svc.sim.runner import simulate, with_duration
 from scheduler_svc.sim.suite import GOLDEN, run_suite
 from scheduler_svc.sim.workload import SCENARIOS, generate
@@ -75,3 +75,11 @@ def test_seeded_runs_match_the_stored_summaries() -> None:
     for now, then in zip(fresh["runs"], stored["runs"], strict=True):
         key = (now["scenario"], now["engine"], now["target"])
         assert now == then, f"{key} changed: run `scheduler-svc simulate --write-golden` if meant"
+
+
+def test_the_rate_search_bisects_to_the_highest_rate_that_meets_the_target() -> None:
+    search = highest_rate(lambda rate: rate <= 7.3, lo=1.0, hi=17.0, iterations=6)
+    assert 7.0 <= search.rate <= 7.3
+    assert search.tried[0] == (1.0, True) and len(search.tried) == 7
+    assert all(met == (rate <= 7.3) for rate, met in search.tried)
+    assert highest_rate(lambda rate: False, lo=1.0, hi=2.0).rate == 0.0
