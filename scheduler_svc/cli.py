@@ -180,10 +180,10 @@ GOLDEN_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "sim_gold
 def _bench(args: argparse.Namespace) -> int:
     from scheduler_svc.bench import plan, run  # noqa: PLC0415 - only this command needs it
 
-    chosen = plan.QUICK if args.quick else plan.FULL
+    chosen = plan.QUICK if args.quick else plan.PLANS[args.plan]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir = Path(args.out) if args.out else Path("results") / "bench" / f"{chosen.name}-{stamp}"
-    command = "scheduler-svc bench" + (" --quick" if args.quick else "")
+    command = "scheduler-svc bench" + (" --quick" if args.quick else f" --plan {args.plan}")
     if args.seed:
         command += f" --seed {args.seed}"
     results = run.run(chosen, out_dir, seed=args.seed, command=command)
@@ -365,6 +365,13 @@ def _add_tool_commands(commands: Any) -> None:
     )
     bench.add_argument(
         "--quick", action="store_true", help="one mix, two loads, the burst (<3 min)"
+    )
+    bench.add_argument(
+        "--plan",
+        choices=("full", "slo"),
+        default="full",
+        help="full: every mix, load and QPS-at-SLO search; slo: QPS at the P99 SLO on the "
+        "static engine with longer trials",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", help="results folder (default: results/bench/<plan>-<time>)")

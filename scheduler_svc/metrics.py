@@ -186,6 +186,12 @@ def _queue(stats: SchedulerStats) -> Iterator[Metric]:
         "Requests dispatched to a backend and not yet finished.",
         stats.in_flight,
     )
+    yield GaugeMetricFamily(
+        "scheduler_svc_batches_in_flight",
+        "Released primary batches with a member still running (a static engine holds one per "
+        "instance).",
+        stats.batches_in_flight,
+    )
     depth = GaugeMetricFamily(
         "scheduler_svc_lane_queue_depth", "Requests waiting, per lane.", labels=["lane"]
     )

@@ -236,8 +236,11 @@ def markdown(results: dict[str, Any]) -> str:
         for engine, mix in _searched(results):
             lines += [f"### {mix}, {engine} engine, at the P99 SLO", ""]
             lines += [*slo_matrix(results, engine, mix), ""]
-    lines += ["## Sidecar overhead (short requests, one at a time)", "", *overhead(results), ""]
-    lines += ["## Every run", "", *all_runs(results), ""]
+    if "overhead" in results:
+        lines += ["## Sidecar overhead (short requests, one at a time)", "", *overhead(results)]
+        lines += [""]
+    if results["runs"]:
+        lines += ["## Every run", "", *all_runs(results), ""]
     return "\n".join(lines)
 
 

@@ -200,9 +200,10 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
                 targets += P.MATRIX_TARGETS
             st.add_sidecars(strategy, slo, targets)
             progress.advance(f"calibrated the {strategy} engine")
-        progress.show("sidecar overhead")
-        results["overhead"] = await _overhead(st, plan.overhead_rounds, prompts)
-        progress.advance("sidecar overhead")
+        if plan.overhead_rounds:
+            progress.show("sidecar overhead")
+            results["overhead"] = await _overhead(st, plan.overhead_rounds, prompts)
+            progress.advance("sidecar overhead")
         for index, step in enumerate(plan.steps):
             cal = results["calibration"][step.engine]
             base = "chat" if step.mix == "burst" else step.mix
@@ -291,7 +292,8 @@ async def _slo_search(
 def total_steps(plan: P.Plan) -> int:
     trials = 1 + plan.slo_iterations
     searches = sum(len(plan.slo_targets(*point)) for point in plan.slo_points)
-    return len(plan.engines) + 1 + len(plan.steps) * len(P.TARGETS) + searches * trials
+    overhead = 1 if plan.overhead_rounds else 0
+    return len(plan.engines) + overhead + len(plan.steps) * len(P.TARGETS) + searches * trials
 
 
 def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[str, Any]:
