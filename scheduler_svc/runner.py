@@ -125,10 +125,6 @@ class _Runner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    @property
-    def running(self) -> int:
-        return len(self._tasks)
-
     async def close(self) -> None:
         """Stop every request still running (shutdown); each row's reader gets an error."""
         tasks = list(self._tasks)

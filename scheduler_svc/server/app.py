@@ -73,11 +73,16 @@ class Sidecar:
         self.loop = CoreLoop(scheduler, metrics=metrics)
         self.service = GenerationService(cfg, load_tokenizer(cfg.model.tokenizer_dir), self.loop)
         self.health = health.aio.HealthServicer()
-        self.controls = SidecarControls(
-            cfg, self.loop, self.service, self.backend, self.others, self._on_draining
-        )
         self.profile: EngineProfile | None = None
-        self.controls.profile = lambda: self.profile
+        self.controls = SidecarControls(
+            cfg,
+            self.loop,
+            self.service,
+            self.backend,
+            self.others,
+            self._on_draining,
+            lambda: self.profile,
+        )
         self.metrics: MetricsServer | None = None
         self._serving: bool | None = None
         self.port = 0

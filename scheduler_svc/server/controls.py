@@ -37,6 +37,7 @@ class SidecarControls:
         primary: Backend,
         others: dict[Target, Backend],
         on_draining: Callable[[bool], Awaitable[None]],
+        profile: Callable[[], EngineProfile | None],
     ) -> None:
         self.cfg = cfg
         self.loop = loop
@@ -45,7 +46,7 @@ class SidecarControls:
         # Triton's model repository, where the primary is Triton (Admin passes calls through).
         self.repository = primary if isinstance(primary, TritonPool) else None
         self.on_draining = on_draining
-        self.profile: Callable[[], EngineProfile | None] = lambda: None
+        self.profile = profile  # the engine profile, once the sidecar has read it
 
     def _policy(self) -> PolicyScheduler:
         scheduler = self.loop.scheduler
