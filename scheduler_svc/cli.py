@@ -75,6 +75,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("server", "metrics_port"): getattr(args, "metrics_port", None),
         ("server", "host"): args.host,
         ("server", "port"): args.port,
+        ("server", "admin_port"): getattr(args, "admin_port", None),
         ("server", "log_level"): args.log_level,
     }
     nested: dict[str, Any] = {}
@@ -101,6 +102,7 @@ async def _serve_until_signal(
     if config_path is not None:
 
         def reload() -> None:
+            sidecar.reload_security()
             task = loop.create_task(sidecar.controls.reload(config_path, overrides or {}))
             reloads.add(task)  # keep a reference until it is done
             task.add_done_callback(reloads.discard)
@@ -109,7 +111,8 @@ async def _serve_until_signal(
     port = await sidecar.start()
     if on_ready:
         metrics_port = sidecar.metrics.port if sidecar.metrics is not None else "-"
-        print(on_ready.format(port=port, metrics_port=metrics_port), flush=True)
+        admin = f"127.0.0.1:{sidecar.admin_port}" if sidecar.admin_port is not None else "off"
+        print(on_ready.format(port=port, metrics_port=metrics_port, admin=admin), flush=True)
     waiter = asyncio.create_task(sidecar.wait())
     await asyncio.wait(
         {waiter, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
@@ -162,7 +165,10 @@ def _run(args: argparse.Namespace) -> int:
                 "sidecar       gRPC 127.0.0.1:{port}  "
                 "(scheduler.v1, KServe v2, health, reflection)  "
                 "metrics http://127.0.0.1:{metrics_port}/metrics\n"
-                "Ctrl-C stops both."
+                "              admin {admin} (loopback: no credential needed)\n"
+                "No credentials are configured: the client API is open on loopback only. To "
+                "serve other hosts, set server.host and auth.credentials_file (docs/sidecar.md)."
+                "\nCtrl-C stops both."
             )
             asyncio.run(
                 _serve_until_signal(
@@ -293,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--config", help="YAML config file (see config.example.yaml)")
         cmd.add_argument("--host", help="listen address (server.host)")
         cmd.add_argument("--port", type=int, help="gRPC port, 0 for a free one (server.port)")
+        cmd.add_argument(
+            "--admin-port",
+            type=int,
+            help="admin listener port, 0 for a free one (server.admin_port)",
+        )
         cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
         cmd.add_argument(
             "--metrics-port", type=int, help="Prometheus metrics port (server.metrics_port)"

@@ -21,7 +21,8 @@ from scheduler_svc.errors import ConfigError
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Strict: an integer field takes an integer (not "3", not 1.5, not true); floats are finite.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Replica(_Frozen):
@@ -64,6 +65,31 @@ class TritonConfig(_Frozen):
         "multi-row request per released batch and as many batches at once as they run; "
         "in-flight engines get one stream per row (docs/sidecar.md).",
     )
+    tls: TritonTls | None = Field(None, description="TLS to Triton; null: plaintext.")
+    stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A request Triton sends nothing for this long (no token, no end) ends "
+        "UNAVAILABLE and frees its place, with or without a client deadline.",
+    )
+
+
+class TritonTls(_Frozen):
+    """TLS to Triton (its `--grpc-use-ssl`); paths are read at start."""
+
+    ca_file: str | None = Field(None, description="CA bundle that signed Triton's certificate.")
+    cert_file: str | None = Field(None, description="Client certificate, where Triton wants mTLS.")
+    key_file: str | None = Field(None, description="Its private key.")
+    server_name: str | None = Field(
+        None, description="The name Triton's certificate is checked against (default: url host)."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> TritonTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("triton.tls: cert_file and key_file go together")
+        return self
 
 
 class BackendEndpoint(_Frozen):
@@ -83,8 +109,18 @@ class ModelConfig(_Frozen):
     kserve_model: str = Field(
         "ensemble", min_length=1, description="Model name the KServe front answers for (text)."
     )
-    max_input_tokens: int = Field(4096, ge=1, description="Longest prompt accepted, in tokens.")
-    max_output_tokens: int = Field(1024, ge=1, description="Largest max_tokens accepted.")
+    max_input_tokens: int = Field(
+        4096, ge=1, le=1_000_000, description="Longest prompt accepted, in tokens."
+    )
+    max_prompt_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt text accepted, in UTF-8 bytes, checked before tokenizing; "
+        "null: 32 bytes per token of max_input_tokens.",
+    )
+    max_output_tokens: int = Field(
+        1024, ge=1, le=1_000_000, description="Largest max_tokens accepted."
+    )
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request omits it.")
     end_id: int = Field(1, ge=-1, description="The model's end token id (-1: none).")
     pad_id: int = Field(2, ge=0, description="The model's pad token id.")
@@ -94,6 +130,10 @@ class ModelConfig(_Frozen):
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError("default_max_tokens must not exceed max_output_tokens")
         return self
+
+    @property
+    def prompt_bytes_limit(self) -> int:
+        return self.max_prompt_bytes or 32 * self.max_input_tokens
 
 
 class QueueConfig(_Frozen):
@@ -117,17 +157,131 @@ class QueueConfig(_Frozen):
         0.5, ge=0, le=3600, description="Retry hint sent with RESOURCE_EXHAUSTED."
     )
     default_queue_timeout_s: float | None = Field(
-        None, gt=0, description="Longest wait before dispatch when the client sets none."
+        None, gt=0, le=86400, description="Longest wait before dispatch when the client sets none."
+    )
+
+
+class ServerTls(_Frozen):
+    """TLS on the sidecar's listeners; the files are read again on SIGHUP."""
+
+    cert_file: str = Field(min_length=1, description="Server certificate chain (PEM).")
+    key_file: str = Field(min_length=1, description="Its private key (PEM).")
+    client_ca_file: str | None = Field(
+        None, description="CA bundle for client certificates (mTLS); null: server TLS only."
+    )
+    require_client_cert: bool = Field(
+        False, description="Refuse a connection without a client certificate (needs client_ca)."
+    )
+
+    @model_validator(mode="after")
+    def _ca_for_required(self) -> ServerTls:
+        if self.require_client_cert and self.client_ca_file is None:
+            raise ValueError("server.tls.require_client_cert needs client_ca_file")
+        return self
+
+
+class AuthConfig(_Frozen):
+    """Who may call what (docs/sidecar.md, "Credentials and roles")."""
+
+    credentials_file: str | None = Field(
+        None,
+        description="YAML mapping bearer tokens and mTLS identities to a tenant and roles "
+        "(client, admin); reloaded on SIGHUP. Null: no credentials.",
+    )
+    anonymous: Literal["auto", "client", "none"] = Field(
+        "auto",
+        description="What a caller without a credential may do on the client port: client "
+        "(generate, tenant from the request) or none (UNAUTHENTICATED). auto: client without a "
+        "credentials file, none with one. Anonymous callers are never admin there.",
+    )
+    local_admin: bool = Field(
+        True,
+        description="A caller without a credential on the admin listener is admin when that "
+        "listener is bound to a loopback address (the pod's own operator).",
+    )
+
+
+class TenantQuota(_Frozen):
+    """Limits for one tenant (or for every tenant, as `quotas.default`)."""
+
+    max_concurrent: int | None = Field(
+        None, ge=1, le=1_000_000, description="Requests queued or running at once; null: any."
+    )
+    tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="Refill rate of the tenant's token bucket (prompt + max_tokens); null: any.",
+    )
+    burst_tokens: int | None = Field(
+        None, ge=1, le=1_000_000_000, description="Bucket size; null: 10 s of tokens_per_s."
+    )
+
+
+class QuotaConfig(_Frozen):
+    """Per-tenant admission limits, refused RESOURCE_EXHAUSTED with a retry hint."""
+
+    default: TenantQuota = Field(default_factory=TenantQuota, description="Every tenant's.")
+    tenants: dict[str, TenantQuota] = Field(
+        default_factory=dict, description="Tenants with their own limits (by name)."
+    )
+    max_tenants: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Tenants whose quota state is kept; the least recently seen go first.",
+    )
+    metric_tenants: int = Field(
+        20, ge=0, le=1000, description="Tenants named in metric labels; the rest are 'other'."
     )
 
 
 class ServerConfig(_Frozen):
     """Where the sidecar listens and how it stops."""
 
-    host: str = Field("0.0.0.0", min_length=1, description="Listen address.")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Listen address of the client port (0.0.0.0 to serve other hosts: then "
+        "configure credentials).",
+    )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port for every service (0: free).")
+    admin_host: str = Field("127.0.0.1", min_length=1, description="Admin listener address.")
+    admin_port: int | None = Field(
+        50052,
+        ge=0,
+        le=65535,
+        description="A listener of its own for scheduler.v1.Admin (0: a free one); null: none. "
+        "Admin on the client port always needs an admin credential.",
+    )
+    tls: ServerTls | None = Field(None, description="TLS on both listeners; null: plaintext.")
     max_message_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="Largest request message accepted."
+        4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="Largest request accepted."
+    )
+    max_request_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="Longest a request may take from arrival to its last token, whatever the "
+        "client's deadline; past it, DEADLINE_EXCEEDED and its place is freed.",
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long a streamed answer may wait for a client that stopped reading.",
+    )
+    max_stream_requests: int = Field(
+        64,
+        ge=1,
+        le=10_000,
+        description="Requests one ModelStreamInfer stream may have unanswered at once.",
+    )
+    keepalive_s: float = Field(
+        60.0, gt=0, le=3600, description="Keepalive ping interval on idle connections."
+    )
+    max_connection_age_s: float = Field(
+        3600.0, gt=0, le=86400, description="Connections are closed (gracefully) after this."
     )
     metrics_port: int | None = Field(
         None,
@@ -148,6 +302,8 @@ class SidecarConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     policy: dict[str, Any] = Field(
         default_factory=dict,
         description="Overrides of the policy's defaults (scheduler_svc/core/config.py, "
@@ -211,7 +367,11 @@ class SidecarConfig(_Frozen):
             if not isinstance(lanes, list):
                 raise ValueError("policy.lanes: must be a list of lanes")
             current = {lane["name"]: lane for lane in data["lanes"]}
-            named = {lane.get("name"): lane for lane in lanes if isinstance(lane, dict)}
+            named = {
+                lane["name"]: lane
+                for lane in lanes
+                if isinstance(lane, dict) and isinstance(lane.get("name"), str)
+            }
             if len(named) == len(lanes) and set(named) <= set(current):
                 # Only known lanes, by name: change the keys they give, keep the rest.
                 data["lanes"] = [{**lane, **named.get(name, {})} for name, lane in current.items()]

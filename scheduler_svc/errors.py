@@ -21,7 +21,15 @@ SchedulerSvcError
     ├── BackendUnavailableError   Triton cannot be reached / not ready   UNAVAILABLE
     ├── BackendFailedError        Triton failed the request              UNAVAILABLE
     ├── BackendRefusedError       Triton refused an admin change         FAILED_PRECONDITION
-    └── ShuttingDownError         the sidecar is draining                UNAVAILABLE
+    ├── BackendStalledError       Triton sent nothing for too long       UNAVAILABLE
+    ├── MaxDurationError          the request ran past the server's cap  DEADLINE_EXCEEDED
+    ├── ShuttingDownError         the sidecar is draining                UNAVAILABLE
+    ├── UnauthenticatedError      no valid credential                    UNAUTHENTICATED
+    ├── PermissionDeniedError     the credential lacks the role / tenant PERMISSION_DENIED
+    ├── QuotaExceededError        the tenant is over its quota           RESOURCE_EXHAUSTED
+    └── InternalError             a bug: logged with an error id         INTERNAL
+
+`clip` bounds any client-given text an error message echoes.
 """
 
 from __future__ import annotations
@@ -136,6 +144,45 @@ class BackendRefusedError(RequestError):
 class ShuttingDownError(RequestError):
     type = "shutting_down"
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendStalledError(RequestError):
+    type = "backend_stalled"
+
+
+class MaxDurationError(RequestError):
+    type = "max_duration"
+
+
+class UnauthenticatedError(RequestError):
+    type = "unauthenticated"
+
+
+class PermissionDeniedError(RequestError):
+    type = "permission_denied"
+
+
+class QuotaExceededError(RequestError):
+    type = "quota_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InternalError(RequestError):
+    type = "internal"
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """`text` as an error message may echo it: at most `limit` characters, repr-quoted."""
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text)} characters)"
+
 
 GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
     BadRequestError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -147,7 +194,13 @@ GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
     BackendUnavailableError: grpc.StatusCode.UNAVAILABLE,
     BackendFailedError: grpc.StatusCode.UNAVAILABLE,
     BackendRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
+    BackendStalledError: grpc.StatusCode.UNAVAILABLE,
+    MaxDurationError: grpc.StatusCode.DEADLINE_EXCEEDED,
     ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    QuotaExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    InternalError: grpc.StatusCode.INTERNAL,
 }
 
 

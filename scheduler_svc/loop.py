@@ -35,11 +35,13 @@ from scheduler_svc.core.types import (
     Request,
     Scheduler,
     SchedulerStats,
+    StepFailedError,
     Target,
 )
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
+    InternalError,
     OverloadedError,
     ShuttingDownError,
 )
@@ -167,6 +169,31 @@ class CoreLoop:
         self._inbox.put_nowait(_Call(fn, reply))
         return await reply
 
+    async def idle(self, poll_s: float = 0.05) -> None:
+        """Return once no request is queued or running (for a drain)."""
+        while self._tickets:
+            await asyncio.sleep(poll_s)
+
+    async def expel(self, error: Exception) -> int:
+        """End every open request with `error`: a queued one leaves the core, a running one's
+        reader gets the error at once (its engine call is stopped when the loop closes).
+        Returns how many."""
+
+        def expel_all(scheduler: Scheduler, now: float) -> int:
+            count = 0
+            for rid, ticket in list(self._tickets.items()):
+                if not ticket.decision.done():
+                    ticket.decision.set_exception(error)
+                    del self._tickets[rid]
+                    scheduler.cancel(rid, now)
+                else:
+                    ticket.channel.end(error)
+                count += 1
+            return count
+
+        result: int = await self.call(expel_all)
+        return result
+
     def observe_kv(self, free_blocks: int, total_blocks: int) -> None:
         """The backend's own KV block counts (from its metrics)."""
         self._inbox.put_nowait(_ObserveKv(free_blocks, total_blocks))
@@ -202,17 +229,35 @@ class CoreLoop:
     async def _run(self) -> None:
         while True:
             message = await self._next_message()
-            try:
-                now = self.clock()
-                while message is not None:
-                    if isinstance(message, _Stop):
-                        return
+            now = self.clock()
+            while message is not None:
+                if isinstance(message, _Stop):
+                    return
+                try:
                     self._apply(message, now)
-                    message = None if self._inbox.empty() else self._inbox.get_nowait()
-                self._decide(self.scheduler.schedule(now), now)
+                except Exception as exc:  # the owner task must outlive any one bad message
+                    self._failed(message, exc)
+                message = None if self._inbox.empty() else self._inbox.get_nowait()
+            try:
+                decisions = self.scheduler.schedule(now)
+            except StepFailedError as exc:  # what it decided before failing still goes out
+                log.error("scheduling step failed", exc_info=exc.__cause__)
+                self.metrics.internal_errors.labels("core.schedule").inc()
+                decisions = exc.decisions
+            try:
+                self._decide(decisions, now)
                 self._housekeeping(now)
-            except Exception:  # the owner task must outlive any one bad message
-                log.exception("core loop step failed")
+            except Exception as exc:
+                log.error("core loop step failed", exc_info=exc)
+                self.metrics.internal_errors.labels("core.loop").inc()
+
+    def _failed(self, message: _Message, exc: Exception) -> None:
+        """A message the core could not take: its sender gets an INTERNAL answer, not silence."""
+        log.error("core loop message failed", message=type(message).__name__, exc_info=exc)
+        self.metrics.internal_errors.labels("core.loop").inc()
+        reply = getattr(message, "reply", None)
+        if reply is not None and not reply.done():
+            reply.set_exception(InternalError("the scheduler failed to take this request"))
 
     async def _next_message(self) -> _Message | None:
         now = self.clock()

@@ -93,6 +93,29 @@ class SidecarMetrics:
             "KV reservations found without a live request, logged and reclaimed.",
             registry=r,
         )
+        self.internal_errors = Counter(
+            "scheduler_svc_internal_errors",
+            "Calls answered INTERNAL: an unexpected exception, logged with its error id (alert).",
+            ["method"],
+            registry=r,
+        )
+        self.refused_calls = Counter(
+            "scheduler_svc_refused_calls",
+            "Calls refused before any work: unauthenticated or without the role they need.",
+            ["code"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "scheduler_svc_tenant_quota_refusals",
+            "Requests refused by their tenant's quota (top tenants by name, the rest as other).",
+            ["tenant", "quota"],
+            registry=r,
+        )
+        self.stalled = Counter(
+            "scheduler_svc_backend_stalls",
+            "Requests ended because Triton sent nothing for triton.stall_timeout_s.",
+            registry=r,
+        )
         self.snapshot: SchedulerStats | None = None
         self.admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.registry.register(_StateCollector(self))

@@ -21,20 +21,28 @@ import asyncio
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from scheduler_svc.backends.base import Backend, Batching, EngineProfile, GenerationInput
 from scheduler_svc.core.types import BatchInfo
-from scheduler_svc.errors import BackendFailedError, RequestError, ShuttingDownError
+from scheduler_svc.errors import (
+    BackendFailedError,
+    BackendStalledError,
+    MaxDurationError,
+    RequestError,
+    ShuttingDownError,
+)
 
 log = structlog.get_logger("scheduler_svc.runner")
 
 PROGRESS_EVERY_TOKENS = 16  # how often the core hears how far a row has got
+DEFAULT_STALL_S = 30.0
 _END = None
+_T = TypeVar("_T")
 
 
 class RowChannel:
@@ -69,10 +77,17 @@ class RowChannel:
 
     # -- the reader's side -------------------------------------------------------------------
 
-    async def tokens(self) -> AsyncGenerator[list[int], None]:
-        """Yield the row's new ids until its end; raise the runner's error if it failed."""
+    async def tokens(self, deadline: float | None = None) -> AsyncGenerator[list[int], None]:
+        """Yield the row's new ids until its end; raise the runner's error if it failed, and
+        MaxDurationError if the end has not come by `deadline` (the event loop's clock)."""
         while True:
-            item = await self._items.get()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await self._items.get()
+            except TimeoutError:
+                raise MaxDurationError(
+                    "the request ran past the server's maximum duration (server.max_request_s)"
+                ) from None
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -115,10 +130,29 @@ class RowReport(Protocol):
 class _Runner:
     """What both runners share: their tasks, and how a failure reaches a row."""
 
-    def __init__(self, backend: Backend, report: RowReport) -> None:
+    def __init__(
+        self, backend: Backend, report: RowReport, stall_s: float = DEFAULT_STALL_S
+    ) -> None:
         self.backend = backend
         self.report = report
+        self.stall_s = stall_s
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _watched(self, answers: AsyncIterator[_T]) -> AsyncGenerator[_T, None]:
+        """`answers`, ended with BackendStalledError when the backend sends nothing (no token,
+        no end) for `stall_s`: a frozen Triton holds nobody forever."""
+        while True:
+            try:
+                async with asyncio.timeout(self.stall_s):
+                    item = await anext(answers)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise BackendStalledError(
+                    f"Triton sent nothing for {self.stall_s:g} s (triton.stall_timeout_s); "
+                    "the request was ended"
+                ) from None
+            yield item
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
@@ -162,7 +196,7 @@ class RowRunner(_Runner):
         try:
             if not row.channel.closed:  # a reader that left before dispatch costs nothing
                 async with contextlib.aclosing(self.backend.stream(row.input)) as answers:
-                    async for ids in answers:
+                    async for ids in self._watched(answers):
                         produced = self._deliver(row, produced, ids)
                 natural = True
         except BaseException as exc:
@@ -182,8 +216,10 @@ class RowRunner(_Runner):
 class StaticRunner(_Runner):
     """One multi-row request per batch; each row's answers go to its own channel."""
 
-    def __init__(self, backend: Backend, report: RowReport) -> None:
-        super().__init__(backend, report)
+    def __init__(
+        self, backend: Backend, report: RowReport, stall_s: float = DEFAULT_STALL_S
+    ) -> None:
+        super().__init__(backend, report, stall_s)
         # Engine request ids must not collide with another sidecar's on the same Triton.
         self._prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
@@ -229,7 +265,7 @@ class StaticRunner(_Runner):
         request_id = f"{self._prefix}-b{next(self._ids)}"
         answers = self.backend.stream_batch(request_id, inputs, timeout)
         async with contextlib.aclosing(answers) as stream:
-            async for index, ids in stream:
+            async for index, ids in self._watched(stream):
                 if not 0 <= index < len(rows) or finished[index]:
                     continue  # a row past its end keeps computing pads inside the engine
                 row, inp = rows[index], inputs[index]
@@ -246,8 +282,10 @@ class StaticRunner(_Runner):
 Runner = RowRunner | StaticRunner
 
 
-def runner_for(profile: EngineProfile, backend: Backend, report: RowReport) -> Runner:
+def runner_for(
+    profile: EngineProfile, backend: Backend, report: RowReport, stall_s: float = DEFAULT_STALL_S
+) -> Runner:
     """The runner an engine profile calls for."""
     if profile.batching is Batching.STATIC:
-        return StaticRunner(backend, report)
-    return RowRunner(backend, report)
+        return StaticRunner(backend, report, stall_s)
+    return RowRunner(backend, report, stall_s)

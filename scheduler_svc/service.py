@@ -17,22 +17,28 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 
 import structlog
 from tokenizers import Tokenizer
 
+from scheduler_svc import auth
 from scheduler_svc.backends.base import GenerationInput
-from scheduler_svc.config import SidecarConfig
+from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
+from scheduler_svc.core.quota import Limits, TenantQuotas
 from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
+    MaxDurationError,
     OverloadedError,
     QueueTimeoutError,
+    QuotaExceededError,
     RequestError,
     ShuttingDownError,
+    clip,
 )
 from scheduler_svc.loop import CoreLoop, Ticket
 from scheduler_svc.text import TextStream
@@ -41,6 +47,20 @@ log = structlog.get_logger("scheduler_svc.requests")
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
+MAX_TENANT_CHARS = auth.MAX_TENANT_CHARS
+# Prompts are tokenized on these threads (the tokenizer lets go of the GIL there), so a long
+# prompt never holds up the event loop; a burst of them queues here, not in everyone's way.
+TOKENIZER_THREADS = 2
+
+
+def make_quotas(cfg: QuotaConfig) -> TenantQuotas:
+    def limits(q: TenantQuota) -> Limits:
+        return Limits(q.max_concurrent, q.tokens_per_s, q.burst_tokens)
+
+    return TenantQuotas(
+        limits(cfg.default), {k: limits(v) for k, v in cfg.tenants.items()}, cfg.max_tenants
+    )
 
 
 class Finish(StrEnum):
@@ -103,26 +123,63 @@ class GenerationService:
         self.backend_ready = False
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
+        self.quotas = make_quotas(cfg.quotas)
+        self._tokenize = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._metric_tenants: set[str] = set(cfg.quotas.tenants)
 
-    def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        # encode_batch releases the GIL while it works; encode does not.
+        return tuple(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    async def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
+        limit = self.cfg.model.max_input_tokens
         if params.token_ids is not None:
             ids = params.token_ids
+            if len(ids) > limit:
+                raise BadRequestError(
+                    f"prompt: {len(ids)} tokens, the model accepts at most {limit}"
+                )
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise BadRequestError(
                     f"token_ids: {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
                 )
         else:
-            ids = tuple(self.tokenizer.encode(params.prompt or "", add_special_tokens=False).ids)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenize, self._encode, params.prompt or "")
         if not ids:
             raise BadRequestError("prompt: empty (give prompt text or token_ids)")
-        limit = self.cfg.model.max_input_tokens
         if len(ids) > limit:
             raise BadRequestError(f"prompt: {len(ids)} tokens, the model accepts at most {limit}")
         return ids
 
+    def _check_sizes(self, params: GenerationParams) -> None:
+        """Bounds on what the client sent, checked before any work is done on it."""
+        if len(params.request_id) > MAX_REQUEST_ID_CHARS:
+            raise BadRequestError(
+                f"request_id: {len(params.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
+            )
+        if len(params.tenant) > MAX_TENANT_CHARS:
+            raise BadRequestError(
+                f"tenant: {len(params.tenant)} characters, at most {MAX_TENANT_CHARS}"
+            )
+        if params.prompt is not None:
+            limit = self.cfg.model.prompt_bytes_limit
+            # Every character is at least one byte: a prompt longer in characters is refused
+            # without encoding it.
+            too_long = len(params.prompt) > limit
+            if too_long or len(params.prompt.encode("utf-8", "surrogatepass")) > limit:
+                raise BadRequestError(
+                    f"prompt: more than {limit} bytes (model.max_prompt_bytes, derived from "
+                    f"max_input_tokens {self.cfg.model.max_input_tokens})"
+                )
+
     def _check(self, params: GenerationParams) -> int:
         """Validate what does not need the tokenizer; return the effective max_tokens."""
+        self._check_sizes(params)
         model = self.cfg.model
         max_tokens = model.default_max_tokens if params.max_tokens is None else params.max_tokens
         if not 1 <= max_tokens <= model.max_output_tokens:
@@ -143,15 +200,45 @@ class GenerationService:
             raise BadRequestError(f"timeout: {params.queue_timeout_s} s is not positive")
         return max_tokens
 
+    def _refuse_by_quota(self, tenant: str, tokens: int) -> None:
+        refusal = self.quotas.take(tenant, tokens, time.monotonic())
+        if refusal is None:
+            return
+        label = tenant if tenant in self._metric_tenants else "other"
+        if label == "other" and len(self._metric_tenants) < self.cfg.quotas.metric_tenants:
+            self._metric_tenants.add(tenant)
+            label = tenant
+        self.loop.metrics.tenant_refused.labels(label, refusal.quota).inc()
+        raise QuotaExceededError(f"tenant {clip(tenant)}: {refusal.message}", refusal.retry_after_s)
+
     async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
         run = _Run(request_id=params.request_id or uuid.uuid4().hex, started=time.monotonic())
         max_tokens = self._check(params)
-        prompt = self._prompt_ids(params)
-        run.prompt_tokens = len(prompt)
+        tenant = auth.CURRENT.get().tenant_for(params.tenant)
         if self.draining:
             raise ShuttingDownError("the sidecar is draining; retry on another instance")
         if not self.backend_ready:
             raise BackendUnavailableError("the backend is not ready; retry shortly")
+        prompt = await self._prompt_ids(params)
+        run.prompt_tokens = len(prompt)
+        self._refuse_by_quota(tenant, len(prompt) + max_tokens)
+        try:
+            async with contextlib.aclosing(
+                self._generate(params, run, tenant, prompt, max_tokens)
+            ) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.quotas.give_back(tenant)
+
+    async def _generate(
+        self,
+        params: GenerationParams,
+        run: _Run,
+        tenant: str,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+    ) -> AsyncGenerator[Delta | Final, None]:
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
         pinned = None
         if self.cfg.queue.scheduler == "policy":
@@ -161,7 +248,7 @@ class GenerationService:
             prompt_tokens=len(prompt),
             max_tokens=max_tokens,
             urgency=params.urgency,
-            tenant=params.tenant,
+            tenant=tenant,
             queue_deadline=run.started + queue_timeout if queue_timeout else None,
             lane=pinned,
         )
@@ -176,17 +263,28 @@ class GenerationService:
             top_p=params.top_p,
             seed=params.seed,
         )
-        remaining = params.time_remaining_s
-        deadline = None if remaining is None else run.started + remaining
+        # The server's own cap on a request's life, within the client's deadline if it set one.
+        remaining = self.cfg.server.max_request_s
+        if params.time_remaining_s is not None:
+            remaining = min(remaining, params.time_remaining_s)
+        deadline = run.started + remaining
+        ends_at = asyncio.get_running_loop().time() + remaining
         ticket = await self.loop.submit(request, row, deadline)
         try:
-            decision = await ticket.decision
+            try:
+                async with asyncio.timeout_at(ends_at):
+                    decision = await asyncio.shield(ticket.decision)
+            except TimeoutError:
+                raise MaxDurationError(
+                    f"waited {remaining:g} s in the sidecar queue, the server's maximum for a "
+                    "request (server.max_request_s) or the client's deadline"
+                ) from None
             run.queued_at = time.monotonic()
             run.lane = decision.lane
             if isinstance(decision, Expired):
                 raise self._expired(decision, run, queue_timeout)
             run.dispatched = True
-            text = self._text(run, params, decision.max_tokens or max_tokens, ticket)
+            text = self._text(run, params, decision.max_tokens or max_tokens, ticket, ends_at)
             async with contextlib.aclosing(text) as events:
                 async for event in events:
                     yield event
@@ -203,7 +301,7 @@ class GenerationService:
         finally:
             self.loop.leave(ticket)
             self.outcomes[run.outcome] += 1
-            run.log_end(params.tenant)
+            run.log_end(tenant)
             self.loop.metrics.observe_end(
                 run.lane, run.outcome, run.dispatched, run.ttft_s, time.monotonic() - run.started
             )
@@ -224,11 +322,16 @@ class GenerationService:
         )
 
     async def _text(
-        self, run: _Run, params: GenerationParams, max_tokens: int, ticket: Ticket
+        self,
+        run: _Run,
+        params: GenerationParams,
+        max_tokens: int,
+        ticket: Ticket,
+        ends_at: float,
     ) -> AsyncGenerator[Delta | Final, None]:
         """Read this request's row, detokenize, stop at stop strings, end with a Final."""
         text = TextStream(self.tokenizer, params.stop)
-        async for ids in ticket.channel.tokens():
+        async for ids in ticket.channel.tokens(ends_at):
             run.first_token_at = run.first_token_at or time.monotonic()
             delta = text.push(ids)
             run.completion_tokens = len(text.ids)

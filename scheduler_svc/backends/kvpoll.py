@@ -10,6 +10,7 @@ when the page cannot be read, nothing is handed over and the mirror turns stale 
 from __future__ import annotations
 
 import asyncio
+import math
 import urllib.request
 from collections.abc import Awaitable, Callable
 
@@ -21,29 +22,42 @@ log = structlog.get_logger("scheduler_svc.kvpoll")
 FAMILY = "nv_trt_llm_kv_cache_block_metrics"
 
 
+MAX_BLOCKS = 1 << 31
+
+
 def parse_kv_blocks(text: str, model: str) -> tuple[int, int] | None:
-    """(free, max) blocks of `model` on a Prometheus page, or None if it is not there."""
+    """(free, max) blocks of `model` on a Prometheus page, or None if the page does not hold
+    a believable pair (not Prometheus text, NaN, infinite, negative, free above max)."""
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != FAMILY:
-            continue
-        for sample in family.samples:
-            if sample.labels.get("model", model) == model:
-                found[sample.labels.get("kv_cache_block_type", "")] = sample.value
-    if "free" not in found or "max" not in found or found["max"] < 1:
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != FAMILY:
+                continue
+            for sample in family.samples:
+                if sample.labels.get("model", model) == model:
+                    found[sample.labels.get("kv_cache_block_type", "")] = float(sample.value)
+    except (ValueError, TypeError, KeyError, IndexError):  # what the parser raises on junk
         return None
-    return int(found["free"]), int(found["max"])
+    free, total = found.get("free"), found.get("max")
+    if free is None or total is None or not (math.isfinite(free) and math.isfinite(total)):
+        return None
+    if not 1 <= total <= MAX_BLOCKS or not 0 <= free <= total:
+        return None
+    return int(free), int(total)
+
+
+MAX_PAGE_BYTES = 8 * 1024 * 1024
 
 
 def _fetch(url: str, timeout_s: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return str(response.read().decode())
+        return str(response.read(MAX_PAGE_BYTES).decode("utf-8", "replace"))
 
 
 async def read_kv_blocks(url: str, model: str, timeout_s: float) -> tuple[int, int] | None:
     try:
         text = await asyncio.to_thread(_fetch, url, timeout_s)
-    except OSError:
+    except (OSError, ValueError):  # unreachable, refused, a bad URL or HTTP answer
         return None
     return parse_kv_blocks(text, model)
 
@@ -53,10 +67,15 @@ async def poll_kv(
     read: Callable[[], Awaitable[tuple[int, int] | None]],
     interval_s: float,
 ) -> None:
-    """Forever: read the counts (free, total) and hand them to `observe`."""
+    """Forever: read the counts (free, total) and hand them to `observe`. Nothing a page
+    holds ends the poller: an unreadable one is logged once and the mirror turns stale."""
     failing = False
     while True:
-        counts = await read()
+        try:
+            counts = await read()
+        except Exception as exc:  # any surprise from a page or its transport: log, keep going
+            log.warning("KV block counts unreadable", error=f"{type(exc).__name__}: {exc}"[:200])
+            counts = None
         if counts is None:
             if not failing:
                 log.warning("cannot read KV block counts; the mirror keeps its own")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -22,9 +23,10 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
 from scheduler_svc.backends.kvpoll import read_kv_blocks
-from scheduler_svc.config import TritonConfig
+from scheduler_svc.config import TritonConfig, TritonTls
 from scheduler_svc.errors import (
     BackendFailedError,
+    ConfigError,
     from_backend_message,
     from_backend_status,
     from_repository_status,
@@ -171,6 +173,20 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
     )
 
 
+def channel_credentials(tls: TritonTls) -> grpc.ChannelCredentials:
+    """TLS (and a client certificate, where Triton asks for one) to Triton."""
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"triton.tls: cannot read {path}: {exc.strerror}") from None
+
+    return grpc.ssl_channel_credentials(read(tls.ca_file), read(tls.key_file), read(tls.cert_file))
+
+
 def is_final(response: service_pb2.ModelInferResponse) -> bool:
     param = response.parameters.get("triton_final_response")
     return bool(param is not None and param.bool_param)
@@ -186,16 +202,22 @@ class TritonBackend:
         self._readers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            self.cfg.url,
-            options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                # Triton is a neighbour (same pod): after a restart, reconnect within seconds.
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            # Triton is a neighbour (same pod): after a restart, reconnect within seconds.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        tls = self.cfg.tls
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(self.cfg.url, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.aio.secure_channel(
+                self.cfg.url, channel_credentials(tls), options=options
+            )
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -133,7 +133,7 @@ def start_sidecar(
     """Start `scheduler-svc serve` on a free port; return the process and its address. Its JSON
     log (one line per request) goes to `log_path`."""
     command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--triton-url", triton_url]
-    command += ["--port", "0", "--host", "127.0.0.1"]
+    command += ["--port", "0", "--admin-port", "0", "--host", "127.0.0.1"]
     if config is not None:
         command += ["--config", str(config)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

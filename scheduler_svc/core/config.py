@@ -16,6 +16,8 @@ SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -60,17 +62,25 @@ class LaneConfig:
 
     def validate(self, where: str) -> None:
         _check(bool(self.name), f"{where}.name", "must not be empty")
-        _check(self.min_prompt_tokens >= 0, f"{where}.min_prompt_tokens", "must be >= 0")
-        _check(0 < self.share <= 1, f"{where}.share", "must be in (0, 1]")
-        _check(1 <= self.max_batch <= 4096, f"{where}.max_batch", "must be in [1, 4096]")
-        _check(self.max_queued >= 0, f"{where}.max_queued", "must be >= 0")
         _check(
-            self.queue_timeout_s is None or self.queue_timeout_s > 0,
+            0 <= self.min_prompt_tokens <= 10_000_000,
+            f"{where}.min_prompt_tokens",
+            "must be in [0, 10000000]",
+        )
+        _check(0.001 <= self.share <= 1, f"{where}.share", "must be in [0.001, 1]")
+        _check(1 <= self.max_batch <= 4096, f"{where}.max_batch", "must be in [1, 4096]")
+        _check(0 <= self.max_queued <= 1_000_000, f"{where}.max_queued", "must be in [0, 1e6]")
+        _check(
+            self.queue_timeout_s is None or 0 < self.queue_timeout_s <= 86400,
             f"{where}.queue_timeout_s",
-            "must be > 0 or null",
+            "must be in (0, 86400] or null",
         )
         _check(0 <= self.max_requeues <= 100, f"{where}.max_requeues", "must be in [0, 100]")
-        _check(self.max_wait_s is None or self.max_wait_s > 0, f"{where}.max_wait_s", "must be > 0")
+        _check(
+            self.max_wait_s is None or 0 < self.max_wait_s <= 86400,
+            f"{where}.max_wait_s",
+            "must be in (0, 86400] or null",
+        )
         _check(1.0 <= self.max_ratio <= 1000, f"{where}.max_ratio", "must be in [1, 1000]")
         _check(0 <= self.batch_timeout_s <= 60, f"{where}.batch_timeout_s", "must be in [0, 60]")
 
@@ -96,13 +106,13 @@ class BreakerConfig:
     demote_fraction: float = 0.5  # share of the demoted lane's arrivals moved while open
 
     def validate(self) -> None:
-        _check(self.open_above >= 1, "breaker.open_above", "must be >= 1")
+        _check(1 <= self.open_above <= 1_000_000, "breaker.open_above", "must be in [1, 1e6]")
         _check(
             0 <= self.close_below <= self.open_above,
             "breaker.close_below",
             "must be in [0, open_above] (hysteresis)",
         )
-        _check(self.min_open_s >= 0, "breaker.min_open_s", "must be >= 0")
+        _check(0 <= self.min_open_s <= 3600, "breaker.min_open_s", "must be in [0, 3600]")
         _check(0 <= self.demote_fraction <= 1, "breaker.demote_fraction", "must be in [0, 1]")
 
 
@@ -119,10 +129,10 @@ class KvConfig:
 
     def validate(self) -> None:
         _check(1 <= self.tokens_per_block <= 1024, "kv.tokens_per_block", "must be in [1, 1024]")
-        _check(self.total_blocks >= 1, "kv.total_blocks", "must be >= 1")
-        _check(self.max_seq_len >= 1, "kv.max_seq_len", "must be >= 1")
-        _check(self.max_in_flight >= 1, "kv.max_in_flight", "must be >= 1")
-        _check(self.stale_after_s > 0, "kv.stale_after_s", "must be > 0")
+        _check(1 <= self.total_blocks <= 1 << 31, "kv.total_blocks", "must be in [1, 2**31]")
+        _check(1 <= self.max_seq_len <= 1 << 24, "kv.max_seq_len", "must be in [1, 2**24]")
+        _check(1 <= self.max_in_flight <= 1_000_000, "kv.max_in_flight", "must be in [1, 1000000]")
+        _check(0 < self.stale_after_s <= 3600, "kv.stale_after_s", "must be in (0, 3600]")
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,13 @@ class PredictConfig:
 
     def validate(self) -> None:
         _check(0 < self.quantile <= 1, "predict.quantile", "must be in (0, 1]")
-        _check(self.min_samples >= 1, "predict.min_samples", "must be >= 1")
-        _check(self.window >= self.min_samples, "predict.window", "must be >= min_samples")
-        _check(self.max_windows >= 1, "predict.max_windows", "must be >= 1")
+        _check(1 <= self.min_samples <= 100_000, "predict.min_samples", "must be in [1, 1e5]")
+        _check(
+            self.min_samples <= self.window <= 100_000,
+            "predict.window",
+            "must be in [min_samples, 100000]",
+        )
+        _check(1 <= self.max_windows <= 1_000_000, "predict.max_windows", "must be in [1, 1e6]")
 
 
 @dataclass(frozen=True)
@@ -180,14 +194,18 @@ class PolicyConfig:
             _check(value in names, f"breaker.{key}", f"unknown lane {value!r}")
         self.kv.validate()
         self.predict.validate()
-        _check(self.quantum_tokens >= 1, "quantum_tokens", "must be >= 1")
-        _check(self.max_queued is None or self.max_queued >= 0, "max_queued", "must be >= 0")
+        _check(1 <= self.quantum_tokens <= 1 << 30, "quantum_tokens", "must be in [1, 2**30]")
         _check(
-            self.degrade_max_tokens is None or self.degrade_max_tokens >= 1,
-            "degrade_max_tokens",
-            "must be >= 1 or null",
+            self.max_queued is None or 0 <= self.max_queued <= 1_000_000,
+            "max_queued",
+            "must be in [0, 1000000] or null",
         )
-        _check(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        _check(
+            self.degrade_max_tokens is None or 1 <= self.degrade_max_tokens <= 1_000_000,
+            "degrade_max_tokens",
+            "must be in [1, 1000000] or null",
+        )
+        _check(0 <= self.retry_after_s <= 3600, "retry_after_s", "must be in [0, 3600]")
         _check(
             self.max_batches_in_flight is None or 1 <= self.max_batches_in_flight <= 4096,
             "max_batches_in_flight",
@@ -232,8 +250,47 @@ def _field(cls: type, key: str, raw: Any, name: str) -> Any:
     if key == "lanes" and cls is PolicyConfig:
         if not isinstance(raw, list | tuple):
             raise ValueError(f"{name}: must be a list of lanes")
+        if len(raw) > MAX_LANES:
+            raise ValueError(f"{name}: at most {MAX_LANES} lanes")
         return tuple(_build(LaneConfig, v, f"{name}[{i}]") for i, v in enumerate(raw))
-    return raw
+    return _typed(typing.get_type_hints(cls)[key], raw, name)
+
+
+MAX_LANES = 16
+MAX_NAME_CHARS = 64
+
+
+def _typed(hint: Any, raw: Any, name: str) -> Any:
+    """`raw` checked against a scalar field's type: an int is an int (not a bool, not 1.5), a
+    float is a finite number, a bool is a bool, a str is a short str; None only where allowed."""
+    kinds = typing.get_args(hint) or (hint,)
+    if raw is None:
+        if type(None) in kinds:
+            return None
+        raise ValueError(f"{name}: must not be null")
+    if isinstance(raw, bool):
+        if bool in kinds:
+            return raw
+        raise ValueError(f"{name}: must be {_kind(kinds)}, not a boolean")
+    if int in kinds and isinstance(raw, int):
+        return raw
+    if float in kinds and isinstance(raw, int | float):
+        if not math.isfinite(raw):
+            raise ValueError(f"{name}: must be a finite number")
+        return float(raw)
+    if str in kinds and isinstance(raw, str):
+        if len(raw) > MAX_NAME_CHARS:
+            raise ValueError(f"{name}: at most {MAX_NAME_CHARS} characters")
+        return raw
+    raise ValueError(f"{name}: must be {_kind(kinds)}, got {type(raw).__name__}")
+
+
+def _kind(kinds: tuple[Any, ...]) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+    words = [names[k] for k in kinds if k in names]
+    if type(None) in kinds:
+        words.append("null")
+    return " or ".join(words) or "a value"
 
 
 def from_mapping(data: Mapping[str, Any]) -> PolicyConfig:

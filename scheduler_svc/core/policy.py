@@ -55,12 +55,14 @@ from scheduler_svc.core.types import (
     RejectReason,
     Request,
     SchedulerStats,
+    StepFailedError,
     Target,
 )
 
 # Every event the policy counts in `stats().counters` (a metric's label values).
 EVENTS = (
     "batches",
+    "step_failed",
     "promoted",
     "demoted",
     "requeued",
@@ -234,12 +236,16 @@ class PolicyScheduler:
         """Everything to dispatch or expire now, batch by batch."""
         self._now = now
         out, self._outbox = self._outbox, []
-        self.mirror.forget_stale(now)
-        self._fire_timers(now, out)
-        self.breaker.update(len(self.lanes[self.config.breaker.watch_lane]), now)
-        self.mirror.settle_shortfalls()
-        if not self._dispatch_promoted(out):
-            self._dispatch_fair(out)
+        try:
+            self.mirror.forget_stale(now)
+            self._fire_timers(now, out)
+            self.breaker.update(len(self.lanes[self.config.breaker.watch_lane]), now)
+            self.mirror.settle_shortfalls()
+            if not self._dispatch_promoted(out):
+                self._dispatch_fair(out)
+        except Exception as exc:  # what was decided stays decided: hand it over
+            self.counters["step_failed"] += 1
+            raise StepFailedError(out) from exc
         return out
 
     def _fire_timers(self, now: float, out: list[Decision]) -> None:
@@ -339,7 +345,12 @@ class PolicyScheduler:
         queue = self.lanes[lane]
         bucket = entries[0].bucket
         assert bucket is not None
-        queue.take(bucket, len(entries))
+        # Everything that can fail is worked out before anything changes: a batch is released
+        # whole or not at all, and never leaves a reservation behind.
+        blocks = [self.mirror.need(e.prompt_tokens, e.predicted_output) for e in entries]
+        if sum(blocks) > self.mirror.free_blocks:
+            raise ValueError(f"{sum(blocks)} blocks wanted, {self.mirror.free_blocks} free")
+        cost = sum(e.cost_tokens for e in entries)
         batch = BatchInfo(
             next(self._batch_ids),
             lane,
@@ -347,12 +358,12 @@ class PolicyScheduler:
             queue.config.max_batch,
             tuple(e.prompt_tokens for e in entries),
         )
+        queue.take(bucket, len(entries))
         self._batch_rows[batch.batch_id] = len(entries)
-        for entry in entries:
+        for entry, need in zip(entries, blocks, strict=True):
             rid = entry.request_id
             del self._queued[rid]
-            blocks = self.mirror.need(entry.prompt_tokens, entry.predicted_output)
-            self.mirror.reserve(rid, blocks, entry.prompt_tokens)
+            self.mirror.reserve(rid, need, entry.prompt_tokens)
             self._rows_in_flight += 1
             self._in_flight[rid] = _InFlight(
                 lane,
@@ -366,7 +377,7 @@ class PolicyScheduler:
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
         self.counters["batches"] += 1
-        return sum(e.cost_tokens for e in entries)
+        return cost
 
     def _engine_has_room(self) -> bool:
         """Whether another batch may go to the engine now (`max_batches_in_flight`)."""

@@ -118,6 +118,16 @@ class Expired:
 Decision = Dispatch | Expired
 
 
+class StepFailedError(Exception):
+    """`schedule()` failed part-way. `decisions` are those it made before the failure: their
+    state changes are complete (each batch is released whole or not at all), so the caller
+    must act on them. The cause is chained (`__cause__`)."""
+
+    def __init__(self, decisions: list[Decision]) -> None:
+        super().__init__(f"schedule() failed after {len(decisions)} decisions")
+        self.decisions = decisions
+
+
 @dataclass(frozen=True)
 class LaneStats:
     name: str

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -17,6 +20,7 @@ from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.auth import ANONYMOUS_CLIENT, LOCAL_ADMIN, NOBODY, Credentials
 from scheduler_svc.backends.base import Backend, EngineProfile
 from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
@@ -25,11 +29,13 @@ from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Scheduler, Target
+from scheduler_svc.errors import ConfigError, ShuttingDownError
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.metrics import MetricsServer, SidecarMetrics
 from scheduler_svc.runner import RowRunner, runner_for
 from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.server.controls import SidecarControls
+from scheduler_svc.server.guard import Guard, Identity
 from scheduler_svc.service import GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -41,6 +47,15 @@ SERVICES = (
     pb.DESCRIPTOR.services_by_name["Admin"].full_name,
     kserve.SERVICE,
 )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def make_scheduler(cfg: SidecarConfig) -> Scheduler:
@@ -86,25 +101,87 @@ class Sidecar:
         self.metrics: MetricsServer | None = None
         self._serving: bool | None = None
         self.port = 0
+        self.admin_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._admin_server: grpc.aio.Server | None = None
+        self._credentials: grpc.ServerCredentials | None = None
+        self._tls_now: Any = None
+        self._tls_fresh: Any = None
+        self._client_identity = Identity(None, ANONYMOUS_CLIENT)
+        self._admin_identity = Identity(None, NOBODY)
         self._watcher: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
+
+    def _identities(self) -> tuple[Identity, Identity]:
+        """How callers are identified on the client port and on the admin listener."""
+        auth_cfg = self.cfg.auth
+        credentials = None
+        if auth_cfg.credentials_file is not None:
+            credentials = Credentials.load(auth_cfg.credentials_file)
+        anonymous = auth_cfg.anonymous
+        if anonymous == "auto":
+            anonymous = "client" if credentials is None else "none"
+        client = Identity(credentials, ANONYMOUS_CLIENT if anonymous == "client" else NOBODY)
+        local = auth_cfg.local_admin and is_loopback(self.cfg.server.admin_host)
+        admin = Identity(credentials, LOCAL_ADMIN if local else NOBODY)
+        return client, admin
+
+    def _tls_configuration(self) -> Any:
+        tls = self.cfg.server.tls
+        assert tls is not None
+        try:
+            key = Path(tls.key_file).read_bytes()
+            chain = Path(tls.cert_file).read_bytes()
+            roots = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+        except OSError as exc:
+            raise ConfigError(f"server.tls: cannot read {exc.filename}: {exc.strerror}") from None
+        return grpc.ssl_server_certificate_configuration([(key, chain)], roots)
+
+    def _server_for(self, guard: Guard) -> grpc.aio.Server:
+        server_cfg = self.cfg.server
+        return grpc.aio.server(
+            interceptors=[guard],
+            options=[
+                ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", int(server_cfg.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.max_connection_age_ms", int(server_cfg.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(server_cfg.drain_grace_s * 1000) + 5000),
+                ("grpc.max_concurrent_streams", 1000),
+            ],
+        )
+
+    def _listen(self, server: grpc.aio.Server, host: str, port: int) -> int:
+        address = f"{host}:{port}"
+        if self._credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, self._credentials)
+        if bound == 0:
+            raise OSError(f"cannot listen on {address}")
+        return bound
 
     async def start(self) -> int:
         """Bind and start serving; return the port (useful when the config says 0)."""
         server_cfg = self.cfg.server
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ]
-        )
+        self._client_identity, self._admin_identity = self._identities()
+        if server_cfg.tls is not None:
+            self._tls_now = self._tls_configuration()
+            self._credentials = grpc.dynamic_ssl_server_credentials(
+                self._tls_now,
+                self._fetch_tls,
+                require_client_authentication=server_cfg.tls.require_client_cert,
+            )
+        metrics = self.loop.metrics
+        write_s = server_cfg.write_timeout_s
+        self._server = self._server_for(Guard(lambda: self._client_identity, metrics, write_s))
+        admin_front = scheduler_v1.AdminFront(self.service, self.loop, self.controls)
         self._server.add_generic_rpc_handlers(
             (scheduler_v1.SchedulerFront(self.service).handler(),)
         )
-        pb_grpc.add_AdminServicer_to_server(  # type: ignore[no-untyped-call]
-            scheduler_v1.AdminFront(self.service, self.loop, self.controls), self._server
-        )
+        pb_grpc.add_AdminServicer_to_server(admin_front, self._server)  # type: ignore[no-untyped-call]
         kv_grpc.add_GRPCInferenceServiceServicer_to_server(
             kserve.KServeFront(self.service), self._server
         )
@@ -112,9 +189,21 @@ class Sidecar:
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
-        self.port = self._server.add_insecure_port(f"{server_cfg.host}:{server_cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
+        self.port = self._listen(self._server, server_cfg.host, server_cfg.port)
+        if server_cfg.admin_port is not None:
+            guard = Guard(lambda: self._admin_identity, metrics, write_s)
+            self._admin_server = self._server_for(guard)
+            pb_grpc.add_AdminServicer_to_server(admin_front, self._admin_server)  # type: ignore[no-untyped-call]
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._admin_server)
+            self.admin_port = self._listen(
+                self._admin_server, server_cfg.admin_host, server_cfg.admin_port
+            )
+        if not is_loopback(server_cfg.host) and self._client_identity.anonymous.roles:
+            log.warning(
+                "the client port is open beyond this host to callers without a credential; "
+                "set auth.credentials_file (docs/sidecar.md, Credentials and roles)",
+                host=server_cfg.host,
+            )
         await self.backend.start()
         for other in self.others.values():
             await other.start()
@@ -127,6 +216,8 @@ class Sidecar:
         # minutes to load), so a liveness probe on it never restarts a healthy sidecar.
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
+        if self._admin_server is not None:
+            await self._admin_server.start()
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
         triton = self.cfg.triton
         if triton.metrics_url or any(r.metrics_url for r in triton.replicas):
@@ -141,11 +232,37 @@ class Sidecar:
         log.info(
             "sidecar ready",
             port=self.port,
+            admin_port=self.admin_port,
             metrics_port=self.metrics.port if self.metrics else None,
             triton=self.cfg.triton.url,
             scheduler=self.loop.scheduler.name,
+            tls=server_cfg.tls is not None,
+            credentials=self._client_identity.credentials is not None,
         )
         return self.port
+
+    def _fetch_tls(self) -> Any:
+        """gRPC asks before each handshake: a certificate configuration read again since the
+        last ask (SIGHUP), or None to keep the current one."""
+        fresh, self._tls_fresh = self._tls_fresh, None
+        return fresh
+
+    def reload_security(self) -> None:
+        """SIGHUP: read the credentials file and the TLS files again; a file that fails to
+        load leaves what runs as it is."""
+        try:
+            self._client_identity, self._admin_identity = self._identities()
+            if self.cfg.server.tls is not None:
+                self._tls_fresh = self._tls_configuration()
+        except ConfigError as exc:
+            log.error("credentials / TLS reload refused; the running ones stay", error=str(exc))
+            return
+        log.info(
+            "credentials and TLS reloaded",
+            credentials=self._client_identity.credentials.size
+            if self._client_identity.credentials
+            else 0,
+        )
 
     async def _backend_ready(self) -> bool:
         """Triton's readiness; the first time it is ready, its engine profile is read and the
@@ -164,9 +281,10 @@ class Sidecar:
     async def _adopt(self, profile: EngineProfile) -> None:
         """Set the request path from the engine profile: the primary's batch runner, and the
         policy's batching rules (where the config does not pin them)."""
-        runners = {Target.PRIMARY: runner_for(profile, self.backend, self.loop)}
+        stall = self.cfg.triton.stall_timeout_s
+        runners = {Target.PRIMARY: runner_for(profile, self.backend, self.loop, stall)}
         for target, backend in self.others.items():
-            runners[target] = RowRunner(backend, self.loop)  # one request, one row
+            runners[target] = RowRunner(backend, self.loop, stall)  # one request, one row
         self.loop.set_runners(runners)
         if isinstance(self.loop.scheduler, PolicyScheduler):
             cfg = self.cfg
@@ -222,19 +340,33 @@ class Sidecar:
         await self._server.wait_for_termination()
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Refuse new calls, give in-flight ones `grace_s` to finish, then stop everything."""
+        """Refuse new calls and let queued and running requests finish within `grace_s`;
+        those still open a second before it ends are answered UNAVAILABLE with a retry hint
+        (never a bare cancel). Then stop everything."""
         grace = self.cfg.server.drain_grace_s if grace_s is None else grace_s
         self.service.draining = True
         log.info("draining", grace_s=grace, in_flight=self.loop.stats().in_flight)
         await self._set_health(False)
-        if self._server is not None:
-            await self._server.stop(grace)
+        answer_s = min(1.0, grace / 2)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace - answer_s):
+                await self.loop.idle()
+        retry = self.cfg.queue.retry_after_s or 1.0
+        expelled = await self.loop.expel(
+            ShuttingDownError("the sidecar is shutting down; retry on another instance", retry)
+        )
+        if expelled:
+            log.warning("requests still open at the end of the drain", answered=expelled)
+        for server in (self._server, self._admin_server):
+            if server is not None:
+                await server.stop(answer_s)
         for task in (self._watcher, self._poller):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task  # whatever ended it, the drain goes on
         await self.loop.close()
+        self.service.close()
         await self.backend.close()
         for other in self.others.values():
             await other.close()

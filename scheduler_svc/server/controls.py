@@ -28,6 +28,54 @@ from scheduler_svc.service import GenerationService
 log = structlog.get_logger("scheduler_svc.admin")
 
 
+MAX_POLICY_BYTES = 64 * 1024
+MAX_POLICY_DEPTH = 8
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_policy_json(text: str) -> dict[str, Any]:
+    """An UpdatePolicy body: a JSON object of bounded size and nesting, finite numbers only."""
+    if len(text) > MAX_POLICY_BYTES:
+        raise BadRequestError(f"policy_json: {len(text)} characters, at most {MAX_POLICY_BYTES}")
+    depth = _depth(text)
+    if depth > MAX_POLICY_DEPTH:
+        raise BadRequestError(f"policy_json: nested {depth} deep, at most {MAX_POLICY_DEPTH}")
+    try:
+        changes = json.loads(text or "{}", parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequestError(f"policy_json: not JSON ({exc.msg} at {exc.pos})") from None
+    except ValueError as exc:  # NaN, Infinity
+        raise BadRequestError(f"policy_json: {exc}") from None
+    if not isinstance(changes, dict):
+        raise BadRequestError("policy_json: must be a JSON object")
+    return changes
+
+
+def _depth(text: str) -> int:
+    """How deep brackets nest in a JSON text (outside strings), without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 class SidecarControls:
     def __init__(
         self,
@@ -55,12 +103,7 @@ class SidecarControls:
         return scheduler
 
     async def update_policy(self, policy_json: str, dry_run: bool) -> str:
-        try:
-            changes = json.loads(policy_json or "{}")
-        except json.JSONDecodeError as exc:
-            raise BadRequestError(f"policy_json: not JSON ({exc.msg} at {exc.pos})") from None
-        if not isinstance(changes, dict):
-            raise BadRequestError("policy_json: must be a JSON object")
+        changes = parse_policy_json(policy_json)
         current = self._policy().config
         try:
             new = self.cfg.policy_override(current, changes)

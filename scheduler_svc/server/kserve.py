@@ -12,21 +12,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as kv
 from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc import __version__
 from scheduler_svc.core.types import Urgency
-from scheduler_svc.errors import BadRequestError, RequestError, UnknownModelError
-from scheduler_svc.server.status import Context, abort
+from scheduler_svc.errors import (
+    BadRequestError,
+    InternalError,
+    OverloadedError,
+    RequestError,
+    UnknownModelError,
+    clip,
+    grpc_status,
+)
+from scheduler_svc.server.status import Context
 from scheduler_svc.service import Delta, Final, GenerationParams, GenerationService
 
 SERVICE = "inference.GRPCInferenceService"
+MAX_NAME_CHARS = 256
+
+log = structlog.get_logger("scheduler_svc.kserve")
 
 
 @dataclass(frozen=True)
@@ -117,15 +130,18 @@ def parse_infer_request(
 ) -> tuple[GenerationParams, bool]:
     """The generation parameters of a text-contract request, and whether it streams."""
     if request.model_name != model:
-        raise UnknownModelError(f"model '{request.model_name}' is not served here (try '{model}')")
+        raise UnknownModelError(
+            f"model {clip(request.model_name)} is not served here (try '{model}')"
+        )
     values: dict[str, object] = {}
     for index, tensor in enumerate(request.inputs):
         spec = INPUTS.get(tensor.name)
         if spec is None:
-            raise BadRequestError(f"unknown input '{tensor.name}' for model '{model}'")
+            raise BadRequestError(f"unknown input {clip(tensor.name)} for model '{model}'")
         if tensor.datatype != spec.datatype:
             raise BadRequestError(
-                f"input '{tensor.name}' has data type {tensor.datatype}, expected {spec.datatype}"
+                f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected "
+                f"{spec.datatype}"
             )
         items = _values(request, index, tensor)
         if len(items) != 1 or any(d != 1 for d in tensor.shape):
@@ -139,7 +155,7 @@ def parse_infer_request(
             raise BadRequestError(f"missing required input '{name}'")
     for output in request.outputs:
         if output.name != OUTPUT:
-            raise BadRequestError(f"unknown output '{output.name}' (this model has '{OUTPUT}')")
+            raise BadRequestError(f"unknown output {clip(output.name)} (this model has '{OUTPUT}')")
     raw_text = values["text_input"]
     assert isinstance(raw_text, bytes)
     try:
@@ -218,17 +234,14 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> kv.ServerMetadataResponse:
         return kv.ServerMetadataResponse(name="scheduler_svc", version=__version__, extensions=[])
 
-    async def _known(self, name: str, context: Context) -> None:
+    def _known(self, name: str) -> None:
         if name != self.model:
-            await abort(
-                context,
-                UnknownModelError(f"model '{name}' is not served here (try '{self.model}')"),
-            )
+            raise UnknownModelError(f"model {clip(name)} is not served here (try '{self.model}')")
 
     async def ModelMetadata(
         self, request: kv.ModelMetadataRequest, context: Context
     ) -> kv.ModelMetadataResponse:
-        await self._known(request.name, context)
+        self._known(request.name)
         meta = kv.ModelMetadataResponse(name=self.model, versions=["1"], platform="ensemble")
         for name, spec in INPUTS.items():
             meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, 1])
@@ -238,7 +251,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelConfig(
         self, request: kv.ModelConfigRequest, context: Context
     ) -> kv.ModelConfigResponse:
-        await self._known(request.name, context)
+        self._known(request.name)
         config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=1)
         for name, spec in INPUTS.items():
             config.input.add(
@@ -253,37 +266,60 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelInfer(
         self, request: kv.ModelInferRequest, context: Context
     ) -> kv.ModelInferResponse:
-        try:
-            params, _ = parse_infer_request(request, self.model, context.time_remaining())
-            async with contextlib.aclosing(self.service.generate(params)) as events:
-                async for event in events:
-                    if isinstance(event, Final):
-                        return _response(request, event.text)
-        except RequestError as exc:
-            await abort(context, exc)
-        raise AssertionError("generation ended without a final answer")  # pragma: no cover
+        params, _ = parse_infer_request(request, self.model, context.time_remaining())
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Final):
+                    return _response(request, event.text)
+        raise InternalError("generation ended without a final answer")
 
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[kv.ModelInferRequest],
         context: Context,
     ) -> AsyncIterator[kv.ModelStreamInferResponse]:
-        out: asyncio.Queue[kv.ModelStreamInferResponse | None] = asyncio.Queue()
+        """Requests on one stream run side by side. Each gets exactly one final answer or one
+        error carrying its id. At most `server.max_stream_requests` are unanswered at once (one
+        more is refused in-band); answers wait in a bounded buffer, so a client that stops
+        reading holds up its own requests only. A malformed message ends the stream
+        INVALID_ARGUMENT once the requests already in it are answered."""
+        cap = self.service.cfg.server.max_stream_requests
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None] = asyncio.Queue(maxsize=2 * cap)
         tasks: set[asyncio.Task[None]] = set()
+        broken: list[RequestError] = []
 
         async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(self._one_streamed(request, out, context))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
-            await out.put(None)
+            try:
+                async for request in request_iterator:
+                    if len(tasks) >= cap:
+                        await out.put(
+                            _stream_error(
+                                request,
+                                OverloadedError(
+                                    f"{cap} requests are unanswered on this stream "
+                                    "(server.max_stream_requests); wait for one or open "
+                                    "another stream",
+                                    0.1,
+                                ),
+                            )
+                        )
+                        continue
+                    task = asyncio.create_task(self._one_streamed(request, out, context))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            except RequestError as exc:  # a malformed message: no more requests from here
+                broken.append(exc)
+            finally:
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await out.put(None)
 
         reader = asyncio.create_task(read())
         try:
             while (item := await out.get()) is not None:
                 yield item
+            if broken:
+                raise broken[0]
         finally:
             reader.cancel()
             for task in list(tasks):
@@ -310,5 +346,26 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                         continue
                     text = (held or "") if stream else event.text
                     await out.put(_stream_response(request, text, final=True))
+                    return
+            raise InternalError("generation ended without a final answer")
         except RequestError as exc:
-            await out.put(kv.ModelStreamInferResponse(error_message=str(exc)))
+            await out.put(_stream_error(request, exc))
+        except Exception as exc:  # a bug: this request still gets its one answer
+            error_id = uuid.uuid4().hex[:12]
+            log.error("internal error", method="ModelStreamInfer", error_id=error_id, exc_info=exc)
+            self.service.loop.metrics.internal_errors.labels("ModelStreamInfer").inc()
+            await out.put(
+                _stream_error(request, InternalError(f"internal error {error_id} (logged)"))
+            )
+
+
+def _stream_error(
+    request: kv.ModelInferRequest, error: RequestError
+) -> kv.ModelStreamInferResponse:
+    """An in-band error for one request of a stream, carrying its id (and status code name)."""
+    return kv.ModelStreamInferResponse(
+        error_message=f"[{grpc_status(error).name}] {error}",
+        infer_response=kv.ModelInferResponse(
+            model_name=request.model_name[:MAX_NAME_CHARS], model_version="1", id=request.id
+        ),
+    )

@@ -1,8 +1,8 @@
 """The `scheduler.v1` front: `Scheduler.Generate`, `Scheduler.GenerateStream`, `Admin.GetStats`.
 
 Requests are parsed inside the handlers (the method handlers take raw bytes), so a malformed
-message, invalid UTF-8 in a string field included, is answered INVALID_ARGUMENT instead of the
-INTERNAL that a failing deserializer would produce.
+message, invalid UTF-8 in a string field included, is answered INVALID_ARGUMENT. Errors are
+raised, never answered here: the server's guard (guard.py) maps them to their status.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from google.protobuf.message import DecodeError
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.core.types import Urgency
-from scheduler_svc.errors import BadRequestError, RequestError
+from scheduler_svc.errors import BadRequestError, InternalError
 from scheduler_svc.loop import CoreLoop
-from scheduler_svc.server.status import Context, abort
+from scheduler_svc.server.status import Context
 from scheduler_svc.service import Final, Finish, GenerationParams, GenerationService
 
 SERVICE = "scheduler.v1.Scheduler"
@@ -104,31 +104,25 @@ class SchedulerFront:
         )
 
     async def generate(self, raw: bytes, context: Context) -> pb.GenerateResponse:
-        try:
-            params = to_params(parse_request(raw), context.time_remaining())
-            async with contextlib.aclosing(self.service.generate(params)) as events:
-                async for event in events:
-                    if isinstance(event, Final):
-                        return final_response(event, event.text, event.token_ids)
-        except RequestError as exc:
-            await abort(context, exc)
-        raise AssertionError("generation ended without a final answer")  # pragma: no cover
+        params = to_params(parse_request(raw), context.time_remaining())
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Final):
+                    return final_response(event, event.text, event.token_ids)
+        raise InternalError("generation ended without a final answer")
 
     async def generate_stream(
         self, raw: bytes, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            params = to_params(parse_request(raw), context.time_remaining())
-            async with contextlib.aclosing(self.service.generate(params)) as events:
-                async for event in events:
-                    if isinstance(event, Final):
-                        yield final_response(event, "", ())
-                    elif event.text or event.token_ids:
-                        yield pb.GenerateResponse(
-                            request_id=params.request_id, text=event.text, token_ids=event.token_ids
-                        )
-        except RequestError as exc:
-            await abort(context, exc)
+        params = to_params(parse_request(raw), context.time_remaining())
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Final):
+                    yield final_response(event, "", ())
+                elif event.text or event.token_ids:
+                    yield pb.GenerateResponse(
+                        request_id=params.request_id, text=event.text, token_ids=event.token_ids
+                    )
 
 
 class AdminFront(pb_grpc.AdminServicer):
@@ -186,10 +180,7 @@ class AdminFront(pb_grpc.AdminServicer):
     async def UpdatePolicy(
         self, request: pb.UpdatePolicyRequest, context: Context
     ) -> pb.UpdatePolicyResponse:
-        try:
-            policy = await self.controls.update_policy(request.policy_json, request.dry_run)
-        except RequestError as exc:
-            await abort(context, exc)
+        policy = await self.controls.update_policy(request.policy_json, request.dry_run)
         return pb.UpdatePolicyResponse(policy_json=policy)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
@@ -204,10 +195,7 @@ class AdminFront(pb_grpc.AdminServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: Context
     ) -> pb.ListModelsResponse:
-        try:
-            models = await self.controls.repository_index()
-        except RequestError as exc:
-            await abort(context, exc)
+        models = await self.controls.repository_index()
         return pb.ListModelsResponse(
             models=[pb.ModelEntry(name=n, version=v, state=st, reason=r) for n, v, st, r in models]
         )
@@ -215,25 +203,21 @@ class AdminFront(pb_grpc.AdminServicer):
     async def LoadModel(
         self, request: pb.LoadModelRequest, context: Context
     ) -> pb.LoadModelResponse:
-        try:
-            await self.controls.load_model(_model_name(request.name))
-        except RequestError as exc:
-            await abort(context, exc)
+        await self.controls.load_model(_model_name(request.name))
         return pb.LoadModelResponse()
 
     async def UnloadModel(
         self, request: pb.UnloadModelRequest, context: Context
     ) -> pb.UnloadModelResponse:
-        try:
-            await self.controls.unload_model(_model_name(request.name))
-        except RequestError as exc:
-            await abort(context, exc)
+        await self.controls.unload_model(_model_name(request.name))
         return pb.UnloadModelResponse()
 
 
 def _model_name(name: str) -> str:
     if not name:
         raise BadRequestError("name: empty (the Triton model to load or unload)")
+    if len(name) > 256:
+        raise BadRequestError(f"name: {len(name)} characters, at most 256")
     return name
 
 

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +48,22 @@ class TritonPorts:
     grpc: int
     http: int
     metrics: int
+
+
+# Run before tritonserver, in its own process: ask the kernel for SIGTERM when the process that
+# started it dies, whatever ends that (SIGKILL, a broken pipe, a crash), then become
+# tritonserver. So no tritonserver outlives its launcher holding its ports. (A preexec_fn could
+# do the same, but is unsafe in a process with threads.) Linux only: elsewhere it just execs.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the launcher died before the request took hold
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def free_port() -> int:
@@ -167,7 +184,7 @@ class TritonServer:
             *self._extra_args,
         ]
         self._proc = subprocess.Popen(
-            args,
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=dist.environment(),

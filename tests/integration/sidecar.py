@@ -27,6 +27,7 @@ class SidecarProcess:
         self.config_path.write_text(yaml.safe_dump(config or {}))
         self.lines: list[str] = []
         self.port = 0
+        self.admin_port: int | None = None
         self._ready = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
@@ -41,6 +42,8 @@ class SidecarProcess:
                 "--triton-url",
                 self.triton_url,
                 "--port",
+                "0",
+                "--admin-port",
                 "0",
                 "--host",
                 "127.0.0.1",
@@ -65,6 +68,7 @@ class SidecarProcess:
             event = self._event(line)
             if event and event.get("event") == "sidecar ready":
                 self.port = int(event["port"])
+                self.admin_port = event.get("admin_port")
                 self._ready.set()
 
     @staticmethod
@@ -98,6 +102,14 @@ class SidecarProcess:
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.url)
+
+    @property
+    def admin_url(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    def admin(self) -> pb_grpc.AdminStub:
+        """The Admin service on the admin listener (loopback: no credential needed)."""
+        return pb_grpc.AdminStub(grpc.insecure_channel(self.admin_url))
 
     def scheduler(self) -> pb_grpc.SchedulerStub:
         return pb_grpc.SchedulerStub(self.channel())

@@ -142,3 +142,38 @@ def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: model repository") and "Traceback" not in done.stderr
+
+
+ORPHAN_PARENT = """
+import sys, time
+from scheduler_svc.triton.launcher import TritonServer
+server = TritonServer(sys.argv[1], grpc_port=0, http_port=0, metrics_port=0).start()
+print(server._proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) holds no ports: count it as gone.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_tritonserver_dies_with_its_launcher_even_on_sigkill(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo", {"identity": IDENTITY_MODEL})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_PARENT, str(repo)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    triton_pid = int(parent.stdout.readline())
+    assert _alive(triton_pid)
+    parent.kill()  # SIGKILL: no cleanup code of the launcher runs
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(triton_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(triton_pid), "tritonserver outlived its launcher"

@@ -73,7 +73,7 @@ def sidecar_factory(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
 
 
 def admin(sidecar: SidecarProcess) -> pb_grpc.AdminStub:
-    return pb_grpc.AdminStub(sidecar.channel())
+    return sidecar.admin()
 
 
 def stats(sidecar: SidecarProcess) -> pb.Stats:

@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, STORY, tokens, tokens_of_length
@@ -302,7 +301,7 @@ def test_health_reflection_and_stats(sidecar: SidecarProcess) -> None:
         "inference.GRPCInferenceService",
         "grpc.health.v1.Health",
     } <= names
-    stats = pb_grpc.AdminStub(channel).GetStats(pb.GetStatsRequest())
+    stats = sidecar.admin().GetStats(pb.GetStatsRequest())
     assert stats.backend_ready and stats.scheduler == "policy"
     assert stats.accepted_total >= stats.finished_total["ok"] > 0
     assert stats.queued == 0 and stats.max_in_flight == 16

@@ -58,7 +58,7 @@ def occupy(sidecar: SidecarProcess) -> tuple[grpc.Future, threading.Event]:  # t
 
 
 def queued(sidecar: SidecarProcess) -> int:
-    return int(pb_grpc.AdminStub(sidecar.channel()).GetStats(pb.GetStatsRequest()).queued)
+    return int(sidecar.admin().GetStats(pb.GetStatsRequest()).queued)
 
 
 def test_overload_is_refused_fast_and_priority_is_served_first(narrow: SidecarProcess) -> None:
@@ -181,6 +181,8 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
         "--triton-metrics-port",
         "0",
         "--port",
+        "0",
+        "--admin-port",
         "0",
         "--metrics-port",
         "0",

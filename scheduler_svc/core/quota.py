@@ -1,0 +1,123 @@
+"""Per-tenant admission limits: requests at once, and a token bucket on prompt + output tokens.
+
+`take` is asked at arrival, before the request is queued; `give_back` when it ends (whatever
+the end). A refusal says which limit and when a retry could pass. State is kept for at most
+`max_tenants` tenants: the least recently seen idle tenant is forgotten first (a forgotten
+tenant comes back with a full bucket, which only ever errs towards admitting).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_concurrent: int | None = None
+    tokens_per_s: float | None = None
+    burst_tokens: int | None = None  # None: ten seconds of tokens_per_s
+
+    @property
+    def bucket(self) -> float:
+        if self.tokens_per_s is None:
+            return math.inf
+        return float(self.burst_tokens or max(1.0, 10 * self.tokens_per_s))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    quota: str  # "concurrent" or "tokens"
+    message: str
+    retry_after_s: float
+
+
+@dataclass
+class _State:
+    active: int
+    tokens: float
+    at: float
+
+
+class TenantQuotas:
+    def __init__(
+        self, default: Limits, tenants: Mapping[str, Limits], max_tenants: int = 1024
+    ) -> None:
+        self.default = default
+        self.tenants = dict(tenants)
+        self.max_tenants = max_tenants
+        self._state: OrderedDict[str, _State] = OrderedDict()
+
+    def limits(self, tenant: str) -> Limits:
+        return self.tenants.get(tenant, self.default)
+
+    @property
+    def unlimited(self) -> bool:
+        return all(
+            lim.max_concurrent is None and lim.tokens_per_s is None
+            for lim in (self.default, *self.tenants.values())
+        )
+
+    def take(self, tenant: str, tokens: int, now: float) -> Refusal | None:
+        """Admit one request of `tokens` for `tenant`, or say why not (nothing is taken)."""
+        limits = self.limits(tenant)
+        state = self._touch(tenant, limits, now)
+        if limits.max_concurrent is not None and state.active >= limits.max_concurrent:
+            return Refusal(
+                "concurrent",
+                f"{state.active} requests of this tenant are in progress, its limit is "
+                f"{limits.max_concurrent}",
+                0.1,
+            )
+        if limits.tokens_per_s is not None:
+            if tokens > limits.bucket:
+                return Refusal(
+                    "tokens",
+                    f"the request costs {tokens} tokens, more than this tenant's bucket of "
+                    f"{limits.bucket:.0f} can ever hold",
+                    60.0,
+                )
+            if tokens > state.tokens:
+                wait = (tokens - state.tokens) / limits.tokens_per_s
+                return Refusal(
+                    "tokens",
+                    f"the tenant's token rate ({limits.tokens_per_s:g} tokens/s) is used up",
+                    round(wait, 3),
+                )
+            state.tokens -= tokens
+        state.active += 1
+        return None
+
+    def give_back(self, tenant: str) -> None:
+        state = self._state.get(tenant)
+        if state is not None and state.active > 0:
+            state.active -= 1
+
+    def _touch(self, tenant: str, limits: Limits, now: float) -> _State:
+        state = self._state.get(tenant)
+        if state is None:
+            state = _State(0, limits.bucket, now)
+            self._state[tenant] = state
+            self._forget_idle()
+        else:
+            self._state.move_to_end(tenant)
+            if limits.tokens_per_s is not None:
+                refill = (now - state.at) * limits.tokens_per_s
+                state.tokens = min(limits.bucket, state.tokens + max(0.0, refill))
+        state.at = now
+        return state
+
+    def _forget_idle(self) -> None:
+        if len(self._state) <= self.max_tenants:
+            return
+        for name in list(self._state)[:-1]:  # oldest first; tenants with work in progress stay
+            if len(self._state) <= self.max_tenants:
+                return
+            if self._state[name].active == 0:
+                del self._state[name]
+
+    @property
+    def tracked(self) -> int:
+        return len(self._state)

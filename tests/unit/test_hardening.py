@@ -1,0 +1,415 @@
+"""Limits before work, strict policy input, an atomic scheduling step, and faults that must not
+stall or silence a request: unit tests of the shell and the core over a scripted backend.
+
+tests/integration/test_hardening_live.py proves the same against the real Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from typing import Any
+
+import pytest
+
+from scheduler_svc import auth
+from scheduler_svc.auth import Credentials, Principal
+from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
+from scheduler_svc.backends.kvpoll import parse_kv_blocks, poll_kv
+from scheduler_svc.config import SidecarConfig, load_config
+from scheduler_svc.core.config import PolicyConfig, from_mapping, to_mapping
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.quota import Limits, TenantQuotas
+from scheduler_svc.core.types import Admitted, Request, StepFailedError, Target
+from scheduler_svc.errors import (
+    BackendStalledError,
+    BadRequestError,
+    ConfigError,
+    InternalError,
+    MaxDurationError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    ShuttingDownError,
+)
+from scheduler_svc.loop import CoreLoop
+from scheduler_svc.runner import runner_for
+from scheduler_svc.server.app import make_scheduler
+from scheduler_svc.server.controls import parse_policy_json
+from scheduler_svc.server.guard import role_for
+from scheduler_svc.service import GenerationParams, GenerationService
+from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer()
+
+
+def serve(backend: ScriptedBackend, body: Any, config: dict[str, Any] | None = None) -> None:
+    cfg = SidecarConfig.model_validate(config or {})
+
+    async def main() -> None:
+        loop = CoreLoop(make_scheduler(cfg))
+        engine = await backend.profile()
+        stall = cfg.triton.stall_timeout_s
+        loop.set_runners({Target.PRIMARY: runner_for(engine, backend, loop, stall)})
+        loop.start()
+        service = GenerationService(cfg, TOKENIZER, loop)
+        service.backend_ready = True
+        try:
+            await body(service, loop)
+        finally:
+            await loop.close()
+            service.close()
+
+    asyncio.run(main())
+
+
+async def collect(service: GenerationService, params: GenerationParams) -> list[Any]:
+    return [event async for event in service.generate(params)]
+
+
+# -- limits before work ---------------------------------------------------------------------
+
+
+def test_oversized_fields_are_refused_before_any_work() -> None:
+    encoded: list[str] = []
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        spy(service, encoded)
+        limit = service.cfg.model.prompt_bytes_limit
+        cases = [
+            (GenerationParams("r", prompt="x" * (limit + 1)), "prompt: more than"),
+            (GenerationParams("r", prompt="é" * (limit // 2 + 1)), "prompt: more than"),
+            (GenerationParams("r", prompt="hi", tenant="t" * 1_000_000), "tenant: 1000000"),
+            (GenerationParams("r" * 10_000, prompt="hi"), "request_id: 10000"),
+            (GenerationParams("r", token_ids=(5,) * 5000), "prompt: 5000 tokens"),
+        ]
+        for params, needle in cases:
+            with pytest.raises(BadRequestError, match=needle) as caught:
+                await collect(service, params)
+            assert len(str(caught.value)) < 200  # the error echoes bounded text only
+        assert encoded == [] and loop.accepted == 0
+
+    serve(ScriptedBackend(), body)
+
+
+def spy(service: GenerationService, seen: list[str]) -> None:
+    """Record the thread each prompt is tokenized on."""
+    encode = service._encode
+
+    def recorded(text: str) -> tuple[int, ...]:
+        seen.append(threading.current_thread().name)
+        return encode(text)
+
+    service._encode = recorded  # type: ignore[method-assign]
+
+
+def test_prompts_are_tokenized_off_the_event_loop() -> None:
+    threads: list[str] = []
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        spy(service, threads)
+        await collect(service, GenerationParams("r", prompt="hello there", max_tokens=2))
+
+    serve(ScriptedBackend(), body)
+    assert threads and all(name.startswith("tokenize") for name in threads)
+    assert threading.main_thread().name not in threads
+
+
+# -- the tenant comes from the credential ---------------------------------------------------
+
+
+def test_a_request_may_only_narrow_its_credentials_tenant() -> None:
+    team = Principal("team-a", "team-a", frozenset({auth.CLIENT}))
+    assert team.tenant_for("") == "team-a"
+    assert team.tenant_for("team-a/batch-jobs") == "team-a/batch-jobs"
+    with pytest.raises(PermissionDeniedError, match="may only narrow"):
+        team.tenant_for("team-b")
+    with pytest.raises(PermissionDeniedError):
+        team.tenant_for("team-ab")
+
+
+def test_credentials_match_by_digest_and_never_keep_the_token(tmp_path: Any) -> None:
+    token = "s3cret-token-of-team-a"
+    path = tmp_path / "credentials.yaml"
+    path.write_text(
+        "tokens:\n"
+        f"  - {{name: a, token: {token}, tenant: team-a, roles: [client]}}\n"
+        f"  - {{name: ops, token_sha256: {auth.digest('ops-token-0123456789').hex()}, "
+        "tenant: '', roles: [client, admin]}\n"
+        "identities:\n  - {name: cert-ops, identity: ops.internal, roles: [admin]}\n"
+    )
+    creds = Credentials.load(path)
+    assert creds.by_token(token) == Principal("a", "team-a", frozenset({"client"}))
+    ops = creds.by_token("ops-token-0123456789")
+    assert ops is not None and auth.ADMIN in ops.roles
+    assert creds.by_token(token[:-1]) is None and creds.by_token("") is None
+    assert creds.by_identity(["nobody", "ops.internal"]) is not None
+    assert token not in repr(creds.__dict__)
+    for bad in (
+        "tokens: [{name: a, token: short, roles: [client]}]",
+        "tokens: [{name: a, token: long-enough-token-1, roles: [root]}]",
+        "tokens: [{name: a, token_sha256: abc, roles: [client]}]",
+        "identities: [{name: a, roles: [client]}]",
+    ):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match="credentials"):
+            Credentials.load(path)
+
+
+def test_every_admin_method_needs_the_admin_role() -> None:
+    for method in ("Drain", "Resume", "UpdatePolicy", "LoadModel", "UnloadModel", "GetStats"):
+        assert role_for(f"/scheduler.v1.Admin/{method}") == auth.ADMIN
+    assert role_for("/scheduler.v1.Scheduler/Generate") == auth.CLIENT
+    assert role_for("/inference.GRPCInferenceService/ModelInfer") == auth.CLIENT
+    assert role_for("/inference.GRPCInferenceService/RepositoryModelLoad") == auth.ADMIN
+    assert role_for("/grpc.health.v1.Health/Check") == ""
+    assert role_for("/some.Unknown/Method") == auth.ADMIN  # unlisted: the strictest
+
+
+# -- quotas ---------------------------------------------------------------------------------
+
+
+def test_tenant_quotas_bound_concurrency_and_token_rate() -> None:
+    quotas = TenantQuotas(Limits(max_concurrent=2), {"b": Limits(tokens_per_s=100)}, 2)
+    assert quotas.take("a", 10, 0.0) is None and quotas.take("a", 10, 0.0) is None
+    refusal = quotas.take("a", 10, 0.0)
+    assert refusal is not None and refusal.quota == "concurrent"
+    quotas.give_back("a")
+    assert quotas.take("a", 10, 0.0) is None
+    # b: a bucket of 1000 tokens refilled at 100/s
+    assert quotas.take("b", 900, 0.0) is None
+    refusal = quotas.take("b", 300, 0.0)
+    assert refusal is not None and refusal.quota == "tokens"
+    assert refusal.retry_after_s == pytest.approx(2.0)
+    assert quotas.take("b", 300, 2.0) is None
+    huge = quotas.take("b", 5000, 100.0)
+    assert huge is not None and "can ever hold" in huge.message
+    for i in range(100):  # idle tenants are forgotten beyond max_tenants; busy ones stay
+        quotas.take(f"t{i}", 1, 3.0)
+        quotas.give_back(f"t{i}")
+    assert quotas.tracked <= 3 and quotas._state["a"].active == 2
+
+
+def test_a_tenant_over_its_quota_is_refused_with_a_retry_hint() -> None:
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        backend.hold()
+        first = asyncio.create_task(collect(service, GenerationParams("r1", prompt="hi")))
+        await until(lambda: loop.accepted == 1)
+        with pytest.raises(QuotaExceededError) as caught:
+            await collect(service, GenerationParams("r2", prompt="hi"))
+        assert caught.value.retry_after_s is not None
+        other = Principal("b", "team-b", frozenset({auth.CLIENT}))
+        token = auth.CURRENT.set(other)  # another tenant is not held up by team-a's limit
+        try:
+            second = asyncio.create_task(collect(service, GenerationParams("r3", prompt="hi")))
+            await until(lambda: loop.accepted == 2)
+        finally:
+            auth.CURRENT.reset(token)
+        backend.release()
+        await first
+        await second
+        assert service.quotas._state["team-b"].active == 0
+
+    backend = ScriptedBackend()
+    token = auth.CURRENT.set(Principal("a", "team-a", frozenset({auth.CLIENT})))
+    try:
+        serve(backend, body, {"quotas": {"default": {"max_concurrent": 1}}})
+    finally:
+        auth.CURRENT.reset(token)
+
+
+async def until(check: Any, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.005)
+
+
+# -- strict policy input --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"kv": {"max_in_flight": 1.5}}', "kv.max_in_flight: must be an integer"),
+        ('{"kv": {"max_in_flight": true}}', "not a boolean"),
+        ('{"retry_after_s": Infinity}', "Infinity is not a number"),
+        ('{"retry_after_s": 1e308}', "retry_after_s: must be in"),
+        ('{"lanes": [{"name": ["x"]}]}', "lanes[0].name: must be a string"),
+        ('{"lanes": [{"name": "hot", "share": 5e-324}]}', "share: must be in"),
+        ('{"quantum_tokens": "8"}', "quantum_tokens: must be an integer"),
+        ("[" * 100 + "]" * 100, "nested 100 deep"),
+        ('{"a": "' + "x" * 100_000 + '"}', "characters, at most"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_policy_updates_are_strictly_typed_and_bounded(text: str, needle: str) -> None:
+    cfg = SidecarConfig()
+    with pytest.raises((BadRequestError, ValueError)) as caught:
+        cfg.policy_override(cfg.policy_config(), parse_policy_json(text))
+    assert needle in str(caught.value)
+
+
+def test_the_config_file_is_strictly_typed_too() -> None:
+    for overrides, needle in (
+        ({"queue": {"max_in_flight": 1.5}}, "queue.max_in_flight"),
+        ({"queue": {"retry_after_s": math.inf}}, "finite"),
+        ({"server": {"drain_grace_s": "30"}}, "server.drain_grace_s"),
+        ({"policy": {"kv": {"max_in_flight": 2.5}}}, "kv.max_in_flight"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, overrides)
+    assert from_mapping(to_mapping(PolicyConfig())) == PolicyConfig()
+
+
+# -- an atomic scheduling step --------------------------------------------------------------
+
+
+def test_a_step_that_fails_hands_over_what_it_decided_and_leaks_nothing() -> None:
+    policy = PolicyScheduler(PolicyConfig())
+    for i, prompt in enumerate((10, 10, 600)):  # hot, hot, warm: two buckets
+        verdict = policy.submit(Request(f"r{i}", prompt, 8), 0.0)
+        assert isinstance(verdict, Admitted)
+    calls = {"n": 0}
+    need = policy.mirror.need
+
+    def failing_need(prompt_tokens: int, output_tokens: int) -> int:
+        if prompt_tokens == 600:  # the second batch cannot be worked out
+            raise OverflowError("boom")
+        calls["n"] += 1
+        return need(prompt_tokens, output_tokens)
+
+    policy.mirror.need = failing_need  # type: ignore[method-assign]
+    with pytest.raises(StepFailedError) as caught:
+        policy.schedule(0.06)  # both buckets ready (50 ms), no queue timeout yet (100 ms)
+    released = {d.request_id for d in caught.value.decisions}
+    assert released == {"r0", "r1"}  # the first batch went out whole
+    assert set(policy.mirror.held()) == released  # reservations only for what went out
+    assert set(policy.queued_ids()) == {"r2"}  # the other is still queued, not lost
+    policy.mirror.need = need  # type: ignore[method-assign]
+    assert {d.request_id for d in policy.schedule(0.07)} == {"r2"}
+    assert dict(policy.stats().counters)["step_failed"] == 1
+
+
+def test_the_core_loop_answers_a_request_the_core_fails_on() -> None:
+    async def main() -> None:
+        scheduler = PolicyScheduler(PolicyConfig())
+
+        def broken(request: Request, now: float) -> Any:
+            raise RuntimeError("a bug")
+
+        scheduler.submit = broken  # type: ignore[method-assign]
+        loop = CoreLoop(scheduler)
+        loop.start()
+        try:
+            row = GenerationInput("r", (1, 2), 4, 1, 2)
+            with pytest.raises(InternalError):
+                await asyncio.wait_for(loop.submit(Request("r", 2, 4), row, None), 5)
+        finally:
+            await loop.close()
+
+    asyncio.run(main())
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_a_silent_backend_ends_the_request_unavailable() -> None:
+    backend = ScriptedBackend()
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        backend.hold()  # Triton frozen: nothing comes back
+        with pytest.raises(BackendStalledError, match=r"sent nothing for 0\.3 s"):
+            await collect(service, GenerationParams("r", prompt="hi", max_tokens=4))
+        await until(lambda: loop.stats().in_flight == 0)  # its place is free again
+        backend.release()
+
+    serve(backend, body, {"triton": {"stall_timeout_s": 0.3}})
+
+
+def test_a_request_ends_at_the_servers_maximum_duration_even_while_queued() -> None:
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 1))
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        backend.hold()
+        running = asyncio.create_task(collect(service, GenerationParams("a", prompt="hi")))
+        await until(lambda: loop.stats().in_flight == 1)
+        with pytest.raises(MaxDurationError):  # queued behind it, no client deadline
+            await collect(service, GenerationParams("b", prompt="hi"))
+        with pytest.raises(MaxDurationError):
+            await running
+        assert loop.stats().queued == 0
+        backend.release()
+
+    serve(
+        backend,
+        body,
+        {
+            "server": {"max_request_s": 0.3},
+            "triton": {"stall_timeout_s": 30.0},
+            "policy": {
+                "max_batches_in_flight": 1,
+                "kv": {"max_in_flight": 1},
+                "lanes": [{"name": "hot", "queue_timeout_s": None}],
+            },
+        },
+    )
+
+
+def test_expel_answers_queued_and_running_requests() -> None:
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 1))
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        backend.hold()
+        tasks = [
+            asyncio.create_task(collect(service, GenerationParams(f"r{i}", prompt="hi")))
+            for i in range(3)
+        ]
+        await until(lambda: loop.accepted == 3)
+        assert await loop.expel(ShuttingDownError("bye", 1.0)) == 3
+        for task in tasks:
+            with pytest.raises(ShuttingDownError) as caught:
+                await task
+            assert caught.value.retry_after_s == 1.0
+        backend.release()
+
+    serve(backend, body, {"policy": {"max_batches_in_flight": 1, "kv": {"max_in_flight": 1}}})
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "<html><body>502 Bad Gateway</body></html>",
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free"} NaN\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"} 10\n',
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free"} 1\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"} +Inf\n',
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free"} 20\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"} 10\n',
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free"} -1\n'
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"} 10\n',
+        "\x00\xff garbage {{{",
+    ],
+)
+def test_an_unbelievable_metrics_page_gives_no_kv_counts(page: str) -> None:
+    assert parse_kv_blocks(page, "tensorrt_llm") is None
+
+
+def test_the_kv_poller_survives_any_failure_and_recovers() -> None:
+    seen: list[tuple[int, int]] = []
+    answers: list[Any] = [RuntimeError("boom"), None, (3, 10)]
+
+    async def read() -> tuple[int, int] | None:
+        answer = answers.pop(0) if answers else (4, 10)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    async def main() -> None:
+        task = asyncio.create_task(poll_kv(lambda f, t: seen.append((f, t)), read, 0.001))
+        await until(lambda: len(seen) >= 2)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(main())
+    assert seen[:2] == [(3, 10), (4, 10)]
