@@ -7,6 +7,7 @@ Commands:
   simulate replay the source document's scenarios against the policy in virtual time
   model-repo render a Triton model repository from templates, or check one offline
   health   ask a sidecar's gRPC health service (exit 0 when SERVING); for container probes
+  drain    drain a sidecar and wait until it is idle (Triton's preStop in Kubernetes)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -74,6 +76,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("triton", "metrics_url"): getattr(args, "triton_metrics_url", None),
         ("server", "metrics_port"): getattr(args, "metrics_port", None),
         ("server", "host"): args.host,
+        ("auth", "credentials_file"): getattr(args, "credentials_file", None),
         ("server", "port"): args.port,
         ("server", "admin_port"): getattr(args, "admin_port", None),
         ("server", "log_level"): args.log_level,
@@ -286,6 +289,34 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _drain(args: argparse.Namespace) -> int:
+    """Drain a sidecar through its admin listener and wait until nothing is queued or running
+    (a Kubernetes preStop on Triton, so Triton stops only after the sidecar has let go)."""
+    import grpc  # noqa: PLC0415
+
+    from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb  # noqa: PLC0415
+    from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    deadline = time.monotonic() + args.timeout
+    token = os.environ.get("SCHEDULER_SVC_ADMIN_TOKEN")  # never a flag: argv is public
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.insecure_channel(args.address) as channel:
+        admin = pb_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            admin.Drain(pb.DrainRequest(), timeout=5, metadata=metadata)
+            while time.monotonic() < deadline:
+                stats = admin.GetStats(pb.GetStatsRequest(), timeout=5, metadata=metadata)
+                if stats.queued == 0 and stats.in_flight == 0:
+                    print(f"{args.address}: drained")
+                    return 0
+                time.sleep(0.5)
+        except grpc.RpcError as exc:  # gone already, or never there: nothing to wait for
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 0 if exc.code() == grpc.StatusCode.UNAVAILABLE else 1
+    print(f"{args.address}: still busy after {args.timeout:g} s", file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scheduler-svc",
@@ -298,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     def sidecar_flags(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("--config", help="YAML config file (see config.example.yaml)")
         cmd.add_argument("--host", help="listen address (server.host)")
+        cmd.add_argument("--credentials-file", help="tokens and identities (auth.credentials_file)")
         cmd.add_argument("--port", type=int, help="gRPC port, 0 for a free one (server.port)")
         cmd.add_argument(
             "--admin-port",
@@ -405,6 +437,13 @@ def _add_tool_commands(commands: Any) -> None:
     health.add_argument("--service", default="", help="service name ('' is the whole server)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
     health.set_defaults(func=_health)
+
+    drain = commands.add_parser(
+        "drain", help="drain a sidecar (admin listener) and wait until it is idle; for preStop"
+    )
+    drain.add_argument("--address", default="127.0.0.1:50052", help="the admin listener")
+    drain.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most")
+    drain.set_defaults(func=_drain)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,9 +104,9 @@ class Sidecar:
         self.admin_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._admin_server: grpc.aio.Server | None = None
-        self._credentials: grpc.ServerCredentials | None = None
-        self._tls_now: Any = None
-        self._tls_fresh: Any = None
+        # TLS: the certificate configuration each listener should pick up at its next
+        # handshake (set on SIGHUP; each listener has its own credentials object).
+        self._tls_fresh: dict[str, Any] = {}
         self._client_identity = Identity(None, ANONYMOUS_CLIENT)
         self._admin_identity = Identity(None, NOBODY)
         self._watcher: asyncio.Task[None] | None = None
@@ -153,12 +153,21 @@ class Sidecar:
             ],
         )
 
-    def _listen(self, server: grpc.aio.Server, host: str, port: int) -> int:
+    def _listen(self, server: grpc.aio.Server, name: str, host: str, port: int) -> int:
+        """Bind a listener: TLS where configured, except an admin listener on loopback (its
+        callers are the pod's own operator and preStop, who hold no certificate)."""
         address = f"{host}:{port}"
-        if self._credentials is None:
+        tls = self.cfg.server.tls
+        if tls is None or (name == "admin" and is_loopback(host)):
             bound = server.add_insecure_port(address)
         else:
-            bound = server.add_secure_port(address, self._credentials)
+            credentials = grpc.dynamic_ssl_server_credentials(
+                self._tls_configuration(),
+                lambda: self._tls_fresh.pop(name, None),
+                require_client_authentication=tls.require_client_cert,
+            )
+            self._tls_fresh.pop(name, None)
+            bound = server.add_secure_port(address, credentials)
         if bound == 0:
             raise OSError(f"cannot listen on {address}")
         return bound
@@ -167,13 +176,6 @@ class Sidecar:
         """Bind and start serving; return the port (useful when the config says 0)."""
         server_cfg = self.cfg.server
         self._client_identity, self._admin_identity = self._identities()
-        if server_cfg.tls is not None:
-            self._tls_now = self._tls_configuration()
-            self._credentials = grpc.dynamic_ssl_server_credentials(
-                self._tls_now,
-                self._fetch_tls,
-                require_client_authentication=server_cfg.tls.require_client_cert,
-            )
         metrics = self.loop.metrics
         write_s = server_cfg.write_timeout_s
         self._server = self._server_for(Guard(lambda: self._client_identity, metrics, write_s))
@@ -189,14 +191,14 @@ class Sidecar:
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
-        self.port = self._listen(self._server, server_cfg.host, server_cfg.port)
+        self.port = self._listen(self._server, "client", server_cfg.host, server_cfg.port)
         if server_cfg.admin_port is not None:
             guard = Guard(lambda: self._admin_identity, metrics, write_s)
             self._admin_server = self._server_for(guard)
             pb_grpc.add_AdminServicer_to_server(admin_front, self._admin_server)  # type: ignore[no-untyped-call]
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._admin_server)
             self.admin_port = self._listen(
-                self._admin_server, server_cfg.admin_host, server_cfg.admin_port
+                self._admin_server, "admin", server_cfg.admin_host, server_cfg.admin_port
             )
         if not is_loopback(server_cfg.host) and self._client_identity.anonymous.roles:
             log.warning(
@@ -241,19 +243,14 @@ class Sidecar:
         )
         return self.port
 
-    def _fetch_tls(self) -> Any:
-        """gRPC asks before each handshake: a certificate configuration read again since the
-        last ask (SIGHUP), or None to keep the current one."""
-        fresh, self._tls_fresh = self._tls_fresh, None
-        return fresh
-
     def reload_security(self) -> None:
         """SIGHUP: read the credentials file and the TLS files again; a file that fails to
         load leaves what runs as it is."""
         try:
             self._client_identity, self._admin_identity = self._identities()
             if self.cfg.server.tls is not None:
-                self._tls_fresh = self._tls_configuration()
+                fresh = self._tls_configuration()
+                self._tls_fresh = {"client": fresh, "admin": fresh}
         except ConfigError as exc:
             log.error("credentials / TLS reload refused; the running ones stay", error=str(exc))
             return

@@ -4,6 +4,7 @@ docker-compose.yml, the Kubernetes manifests, the scripts, the alert rules and t
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -173,6 +174,7 @@ def compose(profile: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         check=True,
+        env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "from-the-environment"},
     ).stdout
     loaded: dict[str, Any] = yaml.safe_load(out)
     return loaded
@@ -222,7 +224,7 @@ def test_the_base_manifests_pass_the_kubernetes_schema() -> None:
         for doc in k8s_docs(base / name):
             kubernetes_validate.validate(doc, "1.30", strict=True)
             checked += 1
-    assert checked == 3
+    assert checked == 4
 
 
 def test_the_sidecar_is_a_real_sidecar_probed_by_grpc_health() -> None:
@@ -243,6 +245,47 @@ def test_the_sidecar_is_a_real_sidecar_probed_by_grpc_health() -> None:
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "scheduler_svc_queue_depth"
 
 
+def test_the_pod_drains_the_sidecar_first_and_runs_locked_down() -> None:
+    deployment = k8s_docs(K8S / "base" / "deployment.yaml")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    [sidecar], [triton] = pod["initContainers"], pod["containers"]
+    # Native sidecars get SIGTERM only after Triton exits: Triton's preStop drains them first.
+    drain = triton["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[:2] == ["scheduler-svc", "drain"] and "127.0.0.1:50052" in drain
+    drain_s = float(drain[drain.index("--timeout") + 1])
+    assert pod["terminationGracePeriodSeconds"] >= drain_s + 15
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in (sidecar, triton):
+        security = container["securityContext"]
+        assert security["capabilities"] == {"drop": ["ALL"]} and security["runAsNonRoot"]
+        assert security["allowPrivilegeEscalation"] is False
+    assert "--grpc-address=127.0.0.1" in triton["args"]
+    args = sidecar["args"]
+    secret = next(v for v in pod["volumes"] if v["name"] == "sidecar-credentials")
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "sidecar-credentials")
+    assert args[args.index("--credentials-file") + 1].startswith(mount["mountPath"])
+    assert secret["secret"]["secretName"] == "scheduler-svc-credentials"
+    cfg = load_config(None, {"server": {"host": "0.0.0.0"}})
+    assert cfg.server.admin_host == "127.0.0.1"  # Admin never leaves the pod
+    policy = k8s_docs(K8S / "base" / "networkpolicy.yaml")[0]
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    anyone = [rule for rule in policy["spec"]["ingress"] if "from" not in rule]
+    assert {p["port"] for rule in anyone for p in rule["ports"]} == {50051}
+    assert not open_ports & {8000, 8001}
+
+
+def test_compose_binds_loopback_and_keeps_monitoring_closed() -> None:
+    services = compose("cpu")["services"]
+    for name in ("sidecar-cpu", "prometheus", "grafana"):
+        for port in services[name]["ports"]:
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+        assert services[name]["deploy"]["resources"]["limits"]["memory"]
+    assert "--web.enable-lifecycle" not in services["prometheus"]["command"]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == "from-the-environment"
+
+
 @pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_overlays_patch_what_exists_and_name_the_pinned_images(overlay: str) -> None:
     folder = K8S / "overlays" / overlay
@@ -250,7 +293,7 @@ def test_overlays_patch_what_exists_and_name_the_pinned_images(overlay: str) -> 
     assert kustomization["resources"] == ["../../base"]
     base_names = {
         (d["kind"], d["metadata"]["name"])
-        for n in ("deployment.yaml", "service.yaml", "hpa.yaml")
+        for n in ("deployment.yaml", "service.yaml", "hpa.yaml", "networkpolicy.yaml")
         for d in k8s_docs(K8S / "base" / n)
     }
     base_pod = k8s_docs(K8S / "base" / "deployment.yaml")[0]["spec"]["template"]["spec"]
