@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-core simulate sim-golden clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-core simulate sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -54,6 +54,11 @@ unit: $(GEN) $(TOOLS)
 
 integration: $(GEN)
 	$(BIN)/pytest -q tests/integration
+
+# Reliability figures (docs/reliability.md): 100,000 fuzzed calls on both fronts, then Triton
+# frozen, slowed and killed mid-stream, and SIGTERM with requests queued (~20 min here).
+chaos: $(GEN)
+	$(BIN)/scheduler-svc chaos --model-repo model_repo/cpu
 
 # Triton alone against the sidecar (FIFO, policy), measured on the embedded stack: tables, JSON
 # and plots under results/bench/ (docs/benchmarks.md). --quick takes ~2 min, the full run ~16.

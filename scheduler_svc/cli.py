@@ -8,6 +8,7 @@ Commands:
   model-repo render a Triton model repository from templates, or check one offline
   health   ask a sidecar's gRPC health service (exit 0 when SERVING); for container probes
   drain    drain a sidecar and wait until it is idle (Triton's preStop in Kubernetes)
+  chaos    fuzz both gRPC fronts and fault Triton (freeze, slow, kill, SIGTERM); reliability
 """
 
 from __future__ import annotations
@@ -199,6 +200,33 @@ def _bench(args: argparse.Namespace) -> int:
     print((out_dir / "results.md").read_text())
     print(f"wrote {out_dir}/results.json, results.md and {len(results['plots'])} plots")
     return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from scheduler_svc import chaos  # noqa: PLC0415 - only this command needs it (and hypothesis)
+
+    plan = chaos.Plan(
+        cases=args.cases,
+        concurrency=args.concurrency,
+        streams=args.streams,
+        seed=args.seed,
+        phases=tuple(args.phase or chaos.Plan.phases),
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = Path(args.out) if args.out else Path("results") / "chaos" / stamp
+    phases = chaos.run(plan, Path(args.model_repo), out, lambda line: print(line, flush=True))
+    report = chaos.table(phases)
+    (out / "results.md").write_text(report + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"plan": plan.__dict__, "phases": [p.row() for p in phases]}, indent=1) + "\n"
+    )
+    print(report)
+    ok = chaos.passed(phases)
+    print(
+        f"{'targets met' if ok else 'TARGETS MISSED'}: 0 never ended, 0 INTERNAL / UNKNOWN, 0 lost"
+    )
+    print(f"wrote {out}/results.md and results.json")
+    return 0 if ok else 1
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -437,6 +465,23 @@ def _add_tool_commands(commands: Any) -> None:
     health.add_argument("--service", default="", help="service name ('' is the whole server)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
     health.set_defaults(func=_health)
+
+    chaos = commands.add_parser(
+        "chaos", help="fuzz both fronts and fault Triton; print the reliability figures"
+    )
+    chaos.add_argument("--model-repo", default="model_repo/cpu", help="Triton model repository")
+    chaos.add_argument("--cases", type=int, default=100_000, help="fuzzed calls to send")
+    chaos.add_argument("--concurrency", type=int, default=32, help="calls in flight at once")
+    chaos.add_argument("--streams", type=int, default=4, help="streams per fault phase")
+    chaos.add_argument("--seed", type=int, default=0, help="hypothesis seed")
+    chaos.add_argument(
+        "--phase",
+        action="append",
+        choices=["fuzz", "freeze", "slow", "kill", "sigterm"],
+        help="run only these phases (repeatable)",
+    )
+    chaos.add_argument("--out", help="results folder (default results/chaos/<time>)")
+    chaos.set_defaults(func=_chaos)
 
     drain = commands.add_parser(
         "drain", help="drain a sidecar (admin listener) and wait until it is idle; for preStop"

@@ -32,7 +32,9 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # Outcomes that end a stream the client was still reading: the session interruption rate.
-INTERRUPTED = frozenset({"cancelled", "backend_failed", "backend_unavailable", "deadline"})
+INTERRUPTED = frozenset(
+    {"cancelled", "backend_failed", "backend_unavailable", "backend_stalled", "deadline"}
+)
 
 
 class SidecarMetrics:
@@ -153,6 +155,8 @@ class SidecarMetrics:
     ) -> None:
         lane = lane or "none"
         self.requests.labels(lane, outcome).inc()
+        if outcome == "backend_stalled":
+            self.stalled.inc()
         if ttft_s is not None:
             self.ttft.labels(lane).observe(ttft_s)
         if outcome == "ok":

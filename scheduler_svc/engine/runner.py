@@ -27,6 +27,11 @@ from scheduler_svc.engine.request import Sampling
 ATTN_NAME = "scheduler_svc_paged"
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of one sampling step: any uint64 request seed, folded below 2**63."""
+    return (seed * 1_000_003 + step) % (1 << 63)
+
+
 @dataclass
 class _Segment:
     """One sequence's share of the packed step: queries [q0, q1) and their keys."""
@@ -224,5 +229,7 @@ class ModelRunner:
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         # Seeded per request and per step, so a sampled request is reproducible on its own.
-        generator = torch.Generator().manual_seed(sampling.seed * 1_000_003 + step)
+        # random_seed is a uint64; torch takes a seed below 2**63 (found by `scheduler-svc
+        # chaos`: a seed above it failed the engine's whole step).
+        generator = torch.Generator().manual_seed(step_seed(sampling.seed, step))
         return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -369,4 +369,4 @@ class Sidecar:
             await other.close()
         if self.metrics is not None:
             self.metrics.close()
-        log.info("stopped", finished=dict(self.service.outcomes))
+        log.info("stopped", accepted=self.loop.accepted, finished=dict(self.service.outcomes))

@@ -134,6 +134,13 @@ class TritonServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def signal(self, signum: int) -> None:
+        """Send `signum` to the server and its backend stubs (SIGSTOP / SIGCONT to freeze and
+        thaw it, SIGKILL to kill it outright: the chaos runs do)."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signum)
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(list(self._lines)[-lines:])
 

@@ -103,6 +103,9 @@ def test_sampling_is_seeded(triton: TritonServer) -> None:
 
     assert sample(7) == sample(7)
     assert sample(7) != generate(triton, prompt, 12).tokens()
+    # random_seed is a uint64: the largest one samples too (it used to fail the engine step).
+    top = 2**64 - 1
+    assert sample(top) == sample(top) and len(sample(top)) == 12
 
 
 @pytest.mark.parametrize(

@@ -413,3 +413,59 @@ def test_the_kv_poller_survives_any_failure_and_recovers() -> None:
 
     asyncio.run(main())
     assert seen[:2] == [(3, 10), (4, 10)]
+
+
+# -- ModelStreamInfer -----------------------------------------------------------------------
+
+
+class _Context:
+    """The little of a servicer context the KServe front reads."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def _infer(rid: str) -> Any:
+    from tritonclient.grpc import service_pb2 as kv  # noqa: PLC0415
+
+    request = kv.ModelInferRequest(model_name="ensemble", id=rid)
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1, 1])
+    request.raw_input_contents.append(len(b"hi").to_bytes(4, "little") + b"hi")
+    request.inputs.add(name="max_tokens", datatype="INT32", shape=[1, 1])
+    request.raw_input_contents.append((2).to_bytes(4, "little"))
+    return request
+
+
+def test_model_stream_infer_caps_a_stream_and_answers_each_request_once() -> None:
+    from scheduler_svc.server.kserve import KServeFront  # noqa: PLC0415
+
+    backend = ScriptedBackend()
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        front = KServeFront(service)
+        backend.hold()
+
+        async def requests() -> Any:
+            for i in range(4):
+                yield _infer(f"r{i}")
+            await until(lambda: loop.accepted == 2)
+            backend.release()  # the first two may now finish
+            raise BadRequestError("the request is not a valid message (malformed)")
+
+        answers = []
+        with pytest.raises(BadRequestError, match="malformed"):
+            async for answer in front.ModelStreamInfer(requests(), _Context()):
+                answers.append(answer)
+        by_id: dict[str, list[Any]] = {}
+        for answer in answers:
+            by_id.setdefault(answer.infer_response.id, []).append(answer)
+        assert sorted(by_id) == ["r0", "r1", "r2", "r3"]
+        for rid in ("r2", "r3"):  # over the cap of 2: refused in-band, carrying the id
+            [refused] = by_id[rid]
+            assert refused.error_message.startswith("[RESOURCE_EXHAUSTED]")
+        for rid in ("r0", "r1"):  # accepted before the bad message: answered, once
+            [final] = by_id[rid]
+            assert not final.error_message
+            assert final.infer_response.parameters["triton_final_response"].bool_param
+
+    serve(backend, body, {"server": {"max_stream_requests": 2}})
