@@ -22,4 +22,6 @@ EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50051"]
 ENTRYPOINT ["scheduler-svc"]
-CMD ["serve", "--config", "/etc/scheduler-svc/config.yaml"]
+# 0.0.0.0 within the container's own network (publishing it is `-p`'s decision); Admin stays on
+# the container's loopback. Give clients credentials with --credentials-file (docs/sidecar.md).
+CMD ["serve", "--config", "/etc/scheduler-svc/config.yaml", "--host", "0.0.0.0"]

@@ -72,10 +72,12 @@ class Phase:
     def lost(self) -> int:
         return max(0, self.accepted - self.ended)
 
-    def record(self, code: str, details: str, elapsed_s: float) -> None:
+    def record(self, code: str, details: str, elapsed_s: float, case: Case | None = None) -> None:
         if code == "DEADLINE_EXCEEDED" and elapsed_s >= BOUND_S - 1:
             self.never_ended += 1
             code = "never_ended"
+            if case is not None and len(self.bad_examples) < 5:
+                self.bad_examples.append(f"never ended: {case.method} {case.messages!r}"[:400])
         self.statuses[code] += 1
         self.examples.setdefault(code, details[:160])
         if code in BAD and len(self.bad_examples) < 5:
@@ -114,9 +116,13 @@ class Sidecar:
         ready = threading.Event()
         self.port = self.admin_port = 0
 
+        log_file = (workdir / "sidecar.log").open("a")
+
         def read() -> None:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
+                log_file.write(line)
+                log_file.flush()
                 with contextlib.suppress(json.JSONDecodeError):
                     event = json.loads(line)
                     if isinstance(event, dict):
@@ -380,7 +386,7 @@ def fuzz(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase
             code, details, elapsed = call(sidecar.channel, admin, case)
             with lock:
                 phase.sent += 1
-                phase.record(code, details, elapsed)
+                phase.record(code, details, elapsed, case)
         finally:
             room.release()
 

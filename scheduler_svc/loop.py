@@ -77,7 +77,7 @@ class _Submit:
 
 @dataclass
 class _Leave:
-    request_id: str
+    ticket: Ticket  # the ticket itself: a later request may reuse its id
 
 
 @dataclass
@@ -161,7 +161,7 @@ class CoreLoop:
     def leave(self, ticket: Ticket) -> None:
         """The handler is done with its request (finished, failed or gone)."""
         ticket.channel.close()
-        self._inbox.put_nowait(_Leave(ticket.request_id))
+        self._inbox.put_nowait(_Leave(ticket))
 
     async def call(self, fn: Callable[[Scheduler, float], Any]) -> Any:
         """Run `fn(scheduler, now)` on the owner task (admin changes); return its result."""
@@ -281,11 +281,14 @@ class CoreLoop:
             if self._tickets.pop(message.request_id, None) is not None:
                 self.scheduler.on_done(message.request_id, now, message.output_tokens)
         elif isinstance(message, _Leave):
-            ticket = self._tickets.get(message.request_id)
-            if ticket is not None and not ticket.decision.done():  # still queued
+            ticket = message.ticket
+            rid = ticket.request_id
+            # Only this very ticket: its id may already belong to a later request (found by
+            # `scheduler-svc chaos`: a late leave cancelled the next request with the same id).
+            if self._tickets.get(rid) is ticket and not ticket.decision.done():  # still queued
                 ticket.decision.cancel()
-                del self._tickets[message.request_id]
-                self.scheduler.cancel(message.request_id, now)
+                del self._tickets[rid]
+                self.scheduler.cancel(rid, now)
             # dispatched: its runner reports the row's end; expired: already forgotten
         elif isinstance(message, _Progress):
             if message.request_id in self._tickets:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -32,6 +33,7 @@ from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
+    InternalError,
     MaxDurationError,
     OverloadedError,
     QueueTimeoutError,
@@ -186,8 +188,8 @@ class GenerationService:
             raise BadRequestError(
                 f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"
             )
-        if params.temperature < 0:
-            raise BadRequestError(f"temperature: {params.temperature} is negative")
+        if not math.isfinite(params.temperature) or params.temperature < 0:
+            raise BadRequestError(f"temperature: {params.temperature} is not a finite number >= 0")
         if not 0 <= params.top_p <= 1:
             raise BadRequestError(f"top_p: {params.top_p} is outside 0..1")
         if params.top_k < 0:
@@ -279,6 +281,11 @@ class GenerationService:
                     f"waited {remaining:g} s in the sidecar queue, the server's maximum for a "
                     "request (server.max_request_s) or the client's deadline"
                 ) from None
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling() == 0:  # the decision, not this call
+                    raise InternalError("the request was withdrawn from the queue") from None
+                raise
             run.queued_at = time.monotonic()
             run.lane = decision.lane
             if isinstance(decision, Expired):

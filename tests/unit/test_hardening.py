@@ -469,3 +469,27 @@ def test_model_stream_infer_caps_a_stream_and_answers_each_request_once() -> Non
             assert final.infer_response.parameters["triton_final_response"].bool_param
 
     serve(backend, body, {"server": {"max_stream_requests": 2}})
+
+
+def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout() -> None:
+    from scheduler_svc.errors import DeadlineError  # noqa: PLC0415
+    from scheduler_svc.metrics import SidecarMetrics  # noqa: PLC0415
+    from scheduler_svc.server.guard import Guard, Identity, _Call  # noqa: PLC0415
+
+    class Stuck:
+        """A context whose client never reads: every write waits forever."""
+
+        async def write(self, message: object) -> None:
+            await asyncio.Event().wait()
+
+    async def main() -> None:
+        guard = Guard(lambda: Identity(None, auth.ANONYMOUS_CLIENT), SidecarMetrics(), 0.2)
+        wrapped = _Call(guard, "/scheduler.v1.Scheduler/GenerateStream", auth.CLIENT, _Handler())
+        with pytest.raises(DeadlineError, match=r"read nothing for 0\.2 s"):
+            await wrapped._write(Stuck(), b"answer")  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+class _Handler:
+    request_deserializer = None

@@ -252,3 +252,26 @@ def test_progress_and_the_output_length_reach_the_core() -> None:
             await loop.close()
 
     asyncio.run(main())
+
+
+def test_a_late_leave_never_touches_a_later_request_with_the_same_id() -> None:
+    """Found by `scheduler-svc chaos`: a client reusing a request id saw its second request
+    cancelled (and never answered) by the first one's late leave."""
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 8))
+
+    async def body(loop: CoreLoop) -> None:
+        first = await submit(loop, "x", 10)
+        assert len(await read(first)) == 4  # ran to its end; its handler has not left yet
+        await until(lambda: loop.stats().in_flight == 0, "the first row is done")
+        backend.hold()
+        busy = await submit(loop, "busy", 10)  # the engine's one batch
+        await until(lambda: loop.stats().in_flight == 1, "the engine is busy")
+        second = await submit(loop, "x", 10)  # same id, queued behind it
+        loop.leave(first)  # the first handler leaves only now
+        backend.release()
+        assert len(await read(busy)) == 4
+        assert len(await read(second)) == 4  # served, not cancelled
+        loop.leave(busy)
+        loop.leave(second)
+
+    run(True, backend, body)
