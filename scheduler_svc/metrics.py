@@ -118,6 +118,13 @@ class SidecarMetrics:
             "Requests ended because Triton sent nothing for triton.stall_timeout_s.",
             registry=r,
         )
+        # Series at zero from the start, so alerts and dashboards see them before any event.
+        for method in ("core.loop", "core.schedule"):
+            self.internal_errors.labels(method)
+        for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            self.refused_calls.labels(code)
+        for quota in ("concurrent", "tokens"):
+            self.tenant_refused.labels("other", quota)
         self.snapshot: SchedulerStats | None = None
         self.admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.registry.register(_StateCollector(self))

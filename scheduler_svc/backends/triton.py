@@ -122,25 +122,36 @@ def build_stop_request(model: str, request_id: str) -> service_pb2.ModelInferReq
     return request
 
 
+def _int32s(response: service_pb2.ModelInferResponse, name: str) -> list[int] | None:
+    """An INT32 output's values, None when absent; a malformed one (a length that is not a
+    multiple of 4, say) is BackendFailedError naming it, never a crash."""
+    for index, tensor in enumerate(response.outputs):
+        if tensor.name != name:
+            continue
+        if index < len(response.raw_output_contents):
+            raw = response.raw_output_contents[index]
+            if len(raw) % 4:
+                raise BackendFailedError(
+                    f"Triton sent a malformed '{name}' output ({len(raw)} bytes of INT32)"
+                )
+            return [int(t) for t in np.frombuffer(raw, dtype="<i4")]
+        return [int(t) for t in tensor.contents.int_contents]
+    return None
+
+
 def batch_index(response: service_pb2.ModelInferResponse) -> int:
     """Which row of a multi-row request a response belongs to (0 when absent)."""
-    for index, tensor in enumerate(response.outputs):
-        if tensor.name == "batch_index":
-            if index < len(response.raw_output_contents):
-                return int(np.frombuffer(response.raw_output_contents[index], dtype="<i4")[0])
-            return int(tensor.contents.int_contents[0])
-    return 0
+    values = _int32s(response, "batch_index")
+    if values is None:
+        return 0
+    if not values:
+        raise BackendFailedError("Triton sent an empty 'batch_index' output")
+    return values[0]
 
 
 def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
     """The generated ids in one response ([] for an empty final response)."""
-    for index, tensor in enumerate(response.outputs):
-        if tensor.name == "output_ids":
-            if index < len(response.raw_output_contents):
-                raw = response.raw_output_contents[index]
-                return [int(t) for t in np.frombuffer(raw, dtype="<i4")]
-            return [int(t) for t in tensor.contents.int_contents]
-    return []
+    return _int32s(response, "output_ids") or []
 
 
 def _int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:

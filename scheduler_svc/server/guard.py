@@ -36,6 +36,7 @@ from scheduler_svc.errors import (
     PermissionDeniedError,
     RequestError,
     UnauthenticatedError,
+    grpc_status,
 )
 from scheduler_svc.metrics import SidecarMetrics
 from scheduler_svc.server.status import Context, abort
@@ -187,7 +188,7 @@ class _Call:
         """Answer an exception with its status; never returns."""
         if isinstance(exc, RequestError):
             if isinstance(exc, UnauthenticatedError | PermissionDeniedError):
-                self.guard.metrics.refused_calls.labels(type(exc).__name__).inc()
+                self.guard.metrics.refused_calls.labels(grpc_status(exc).name).inc()
             await abort(context, exc)
         error_id = uuid.uuid4().hex[:12]
         log.error("internal error", method=self.method, error_id=error_id, exc_info=exc)

@@ -493,3 +493,25 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout() -> Non
 
 class _Handler:
     request_deserializer = None
+
+
+def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
+    from tritonclient.grpc import service_pb2 as kv  # noqa: PLC0415
+
+    from scheduler_svc.backends.triton import batch_index, output_ids  # noqa: PLC0415
+    from scheduler_svc.errors import BackendFailedError  # noqa: PLC0415
+
+    response = kv.ModelInferResponse()
+    response.outputs.add(name="output_ids", datatype="INT32")
+    response.raw_output_contents.append(b"\x01\x02\x03")  # 3 bytes of INT32
+    with pytest.raises(BackendFailedError, match="malformed 'output_ids'"):
+        output_ids(response)
+    empty = kv.ModelInferResponse()
+    empty.outputs.add(name="batch_index", datatype="INT32")
+    empty.raw_output_contents.append(b"")
+    with pytest.raises(BackendFailedError, match="empty 'batch_index'"):
+        batch_index(empty)
+    good = kv.ModelInferResponse()
+    good.outputs.add(name="output_ids", datatype="INT32")
+    good.raw_output_contents.append((7).to_bytes(4, "little") + (9).to_bytes(4, "little"))
+    assert output_ids(good) == [7, 9] and batch_index(good) == 0
