@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -374,3 +376,31 @@ def test_sigterm_with_requests_queued_answers_each_unavailable_with_a_retry_hint
     ended = sidecar.events("requests still open at the end of the drain")
     assert ended and ended[0]["answered"] == 4
     assert json.dumps(sidecar.events("stopped")[0]["finished"])
+
+
+def test_drain_command_drains_over_the_admin_listener_and_waits(
+    triton: TritonServer, tmp_path: Path
+) -> None:
+    """Triton's preStop in Kubernetes: the sidecar stops taking work before Triton stops."""
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path).start()
+    try:
+        stream = sidecar.scheduler().GenerateStream(pb.GenerateRequest(prompt=STORY, max_tokens=40))
+        next(stream)
+        drain = subprocess.run(
+            [sys.executable, "-m", "scheduler_svc.cli", "drain", "--address", sidecar.admin_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert drain.returncode == 0 and "drained" in drain.stdout, drain.stderr
+        rest = list(stream)  # the running request finished before the command returned
+        assert rest[-1].usage.completion_tokens == 40
+        stats = sidecar.admin().GetStats(pb.GetStatsRequest())
+        assert stats.draining and stats.in_flight == 0
+        code, _ = code_of(
+            lambda: sidecar.scheduler().Generate(pb.GenerateRequest(prompt="late", max_tokens=2))
+        )
+        assert code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        sidecar.stop()

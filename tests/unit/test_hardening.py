@@ -515,3 +515,27 @@ def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
     good.outputs.add(name="output_ids", datatype="INT32")
     good.raw_output_contents.append((7).to_bytes(4, "little") + (9).to_bytes(4, "little"))
     assert output_ids(good) == [7, 9] and batch_index(good) == 0
+
+
+def test_an_unexpected_failure_in_a_streamed_request_still_answers_it_with_its_id() -> None:
+    from scheduler_svc.server.kserve import KServeFront  # noqa: PLC0415
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        front = KServeFront(service)
+
+        async def broken(params: GenerationParams) -> Any:
+            raise RuntimeError("a bug")
+            yield  # an async generator, as generate is
+
+        service.generate = broken  # type: ignore[method-assign,assignment]
+
+        async def requests() -> Any:
+            yield _infer("only")
+
+        answers = [a async for a in front.ModelStreamInfer(requests(), _Context())]
+        [answer] = answers
+        assert answer.infer_response.id == "only"
+        assert answer.error_message.startswith("[INTERNAL] internal error ")
+        assert loop.metrics.internal_errors.labels("ModelStreamInfer")._value.get() == 1
+
+    serve(ScriptedBackend(), body)
