@@ -27,6 +27,8 @@ SchedulerSvcError
     ├── UnauthenticatedError      no valid credential                    UNAUTHENTICATED
     ├── PermissionDeniedError     the credential lacks the role / tenant PERMISSION_DENIED
     ├── QuotaExceededError        the tenant is over its quota           RESOURCE_EXHAUSTED
+    ├── UnsupportedError          a call the sidecar cannot serve        UNIMPLEMENTED
+    ├── TritonCallError           a passed-through call Triton failed    Triton's own code
     └── InternalError             a bug: logged with an error id         INTERNAL
 
 `clip` bounds any client-given text an error message echoes.
@@ -177,6 +179,21 @@ class InternalError(RequestError):
     type = "internal"
 
 
+class UnsupportedError(RequestError):
+    type = "unsupported"
+
+
+class TritonCallError(RequestError):
+    """A call passed through to Triton (repository, statistics, settings) that Triton failed:
+    answered with Triton's own status code (UNKNOWN becomes INTERNAL) and its message."""
+
+    type = "triton_call"
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"Triton: {details}")
+        self.code = grpc.StatusCode.INTERNAL if code == grpc.StatusCode.UNKNOWN else code
+
+
 def clip(text: str, limit: int = 64) -> str:
     """`text` as an error message may echo it: at most `limit` characters, repr-quoted."""
     if len(text) <= limit:
@@ -201,11 +218,14 @@ GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     QuotaExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InternalError: grpc.StatusCode.INTERNAL,
+    UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 
 def grpc_status(error: RequestError) -> grpc.StatusCode:
     """The status a request error is answered with (UNAVAILABLE for anything unlisted)."""
+    if isinstance(error, TritonCallError):
+        return error.code
     for cls in type(error).__mro__:
         if cls in GRPC_STATUS:
             return GRPC_STATUS[cls]
@@ -215,7 +235,8 @@ def grpc_status(error: RequestError) -> grpc.StatusCode:
 # The texts of Triton and TensorRT-LLM errors that arrive as plain strings (stream errors carry
 # no status code), mapped to our errors. First match wins; anything else is BackendFailedError.
 BACKEND_MESSAGES: list[tuple[str, type[RequestError]]] = [
-    ("Exceeds maximum queue size", BackendBusyError),
+    ("Exceeds maximum queue size", BackendBusyError),  # Triton core's wording
+    ("Maximum queue size of", BackendBusyError),  # TensorRT-LLM's executor: "... has been reached"
     ("can never run", BadRequestError),
     ("input_ids:", BadRequestError),
     ("input_lengths:", BadRequestError),

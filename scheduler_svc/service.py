@@ -214,7 +214,13 @@ class GenerationService:
         raise QuotaExceededError(f"tenant {clip(tenant)}: {refusal.message}", refusal.retry_after_s)
 
     async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
-        run = _Run(request_id=params.request_id or uuid.uuid4().hex, started=time.monotonic())
+        # The client's id is a label, echoed and logged, never a key: clients reuse ids (a
+        # counter per connection is common), as Triton allows. Inside, every request has an
+        # id of its own.
+        internal = uuid.uuid4().hex
+        run = _Run(
+            request_id=params.request_id or internal, internal_id=internal, started=time.monotonic()
+        )
         max_tokens = self._check(params)
         tenant = auth.CURRENT.get().tenant_for(params.tenant)
         if self.draining:
@@ -246,7 +252,7 @@ class GenerationService:
         if self.cfg.queue.scheduler == "policy":
             pinned = self.cfg.queue.priority_lanes.get(params.urgency.name.lower())
         request = Request(
-            request_id=run.request_id,
+            request_id=run.internal_id,
             prompt_tokens=len(prompt),
             max_tokens=max_tokens,
             urgency=params.urgency,
@@ -255,7 +261,7 @@ class GenerationService:
             lane=pinned,
         )
         row = GenerationInput(
-            request_id=run.request_id,
+            request_id=run.internal_id,
             prompt_ids=prompt,
             max_tokens=max_tokens,
             end_id=self.cfg.model.end_id,
@@ -368,7 +374,8 @@ class GenerationService:
 class _Run:
     """What one request's log line records."""
 
-    request_id: str
+    request_id: str  # the client's (or, when it gave none, the internal one)
+    internal_id: str  # the sidecar's own: the core's key and the engine request's id
     started: float
     queued_at: float | None = None
     first_token_at: float | None = None
@@ -391,6 +398,7 @@ class _Run:
         log.info(
             "request end",
             request_id=self.request_id,
+            sidecar_id=self.internal_id,
             tenant=tenant,
             lane=self.lane,
             outcome=self.outcome,

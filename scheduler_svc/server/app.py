@@ -185,7 +185,7 @@ class Sidecar:
         )
         pb_grpc.add_AdminServicer_to_server(admin_front, self._server)  # type: ignore[no-untyped-call]
         kv_grpc.add_GRPCInferenceServiceServicer_to_server(
-            kserve.KServeFront(self.service), self._server
+            kserve.KServeFront(self.service, self.controls), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -196,6 +196,10 @@ class Sidecar:
             guard = Guard(lambda: self._admin_identity, metrics, write_s)
             self._admin_server = self._server_for(guard)
             pb_grpc.add_AdminServicer_to_server(admin_front, self._admin_server)  # type: ignore[no-untyped-call]
+            # Triton's repository management through tritonclient, for the local operator.
+            kv_grpc.add_GRPCInferenceServiceServicer_to_server(
+                kserve.KServeFront(self.service, self.controls), self._admin_server
+            )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._admin_server)
             self.admin_port = self._listen(
                 self._admin_server, "admin", server_cfg.admin_host, server_cfg.admin_port

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import structlog
 
 from scheduler_svc.backends.base import Backend, EngineProfile
@@ -21,7 +22,12 @@ from scheduler_svc.config import SidecarConfig, load_config
 from scheduler_svc.core.config import PolicyConfig, to_mapping
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Scheduler, Target
-from scheduler_svc.errors import BackendUnavailableError, BadRequestError, ConfigError
+from scheduler_svc.errors import (
+    BackendUnavailableError,
+    BadRequestError,
+    ConfigError,
+    TritonCallError,
+)
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.service import GenerationService
 
@@ -153,6 +159,20 @@ class SidecarControls:
         if self.repository is None:
             raise BackendUnavailableError("the primary backend is not a Triton server")
         return [e.backend for e in self.repository.endpoints]
+
+    async def triton_call(self, method: str, request: Any, every: bool = False) -> Any:
+        """Pass a KServe call through to Triton as it is (the first endpoint; with `every`,
+        each endpoint in turn, since they serve the same repository, answering the first's
+        reply). Triton's refusal keeps its status code."""
+        replies = []
+        for triton in self._tritons() if every else self._tritons()[:1]:
+            try:
+                replies.append(await getattr(triton.stub, method)(request, timeout=600))
+            except grpc.aio.AioRpcError as exc:
+                raise TritonCallError(exc.code(), exc.details() or "") from None
+        if every:
+            log.info("passed through to Triton", method=method, endpoints=len(replies))
+        return replies[0]
 
     async def repository_index(self) -> list[tuple[str, str, str, str]]:
         return await self._tritons()[0].repository_index()

@@ -54,9 +54,10 @@ SERVICE_ROLES: dict[str, str] = {
     "grpc.reflection.v1alpha.ServerReflection": OPEN,
 }
 METHOD_ROLES: dict[str, str] = {
-    "/inference.GRPCInferenceService/RepositoryIndex": ADMIN,
     "/inference.GRPCInferenceService/RepositoryModelLoad": ADMIN,
     "/inference.GRPCInferenceService/RepositoryModelUnload": ADMIN,
+    "/inference.GRPCInferenceService/TraceSetting": ADMIN,
+    "/inference.GRPCInferenceService/LogSettings": ADMIN,
 }
 
 

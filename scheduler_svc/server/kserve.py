@@ -15,6 +15,7 @@ import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -30,6 +31,7 @@ from scheduler_svc.errors import (
     OverloadedError,
     RequestError,
     UnknownModelError,
+    UnsupportedError,
     clip,
     grpc_status,
 )
@@ -204,10 +206,33 @@ def _stream_response(
     return kv.ModelStreamInferResponse(infer_response=_response(request, text, final=final))
 
 
+class TritonCalls(Protocol):
+    """Where calls the sidecar does not answer itself go: Triton (SidecarControls)."""
+
+    async def triton_call(self, method: str, request: Any, every: bool = False) -> Any: ...
+
+
+# Triton extensions a client can use through the sidecar; shared memory is not one of them.
+_NOT_THROUGH_THE_SIDECAR = ("shared_memory",)
+_NO_SHARED_MEMORY = (
+    "shared memory is not available through the sidecar: it cannot see the client's memory "
+    "(send the tensors in the request)"
+)
+
+
 class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, service: GenerationService) -> None:
+    """The ensemble text contract is served here; the rest of Triton's service (repository,
+    statistics, trace and log settings, other models' metadata) passes through to Triton."""
+
+    def __init__(self, service: GenerationService, triton: TritonCalls | None = None) -> None:
         self.service = service
         self.model = service.cfg.model.kserve_model
+        self.triton = triton
+
+    async def _through(self, method: str, request: Any, every: bool = False) -> Any:
+        if self.triton is None:
+            raise UnsupportedError(f"{method}: no Triton behind this sidecar to pass it to")
+        return await self.triton.triton_call(method, request, every)
 
     def _ready(self) -> bool:
         return self.service.backend_ready and not self.service.draining
@@ -227,21 +252,33 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelReady(
         self, request: kv.ModelReadyRequest, context: Context
     ) -> kv.ModelReadyResponse:
-        return kv.ModelReadyResponse(ready=request.name == self.model and self._ready())
+        if request.name != self.model:
+            return await self._through("ModelReady", request)
+        return kv.ModelReadyResponse(ready=self._ready())
 
     async def ServerMetadata(
         self, request: kv.ServerMetadataRequest, context: Context
     ) -> kv.ServerMetadataResponse:
-        return kv.ServerMetadataResponse(name="scheduler_svc", version=__version__, extensions=[])
-
-    def _known(self, name: str) -> None:
-        if name != self.model:
-            raise UnknownModelError(f"model {clip(name)} is not served here (try '{self.model}')")
+        """Our name and version; Triton's extensions, less those that cannot work through a
+        sidecar (shared memory)."""
+        extensions: list[str] = []
+        if self.triton is not None and self.service.backend_ready:
+            with contextlib.suppress(RequestError):
+                triton = await self._through("ServerMetadata", request)
+                extensions = [
+                    e
+                    for e in triton.extensions
+                    if not any(word in e for word in _NOT_THROUGH_THE_SIDECAR)
+                ]
+        return kv.ServerMetadataResponse(
+            name="scheduler_svc", version=__version__, extensions=extensions
+        )
 
     async def ModelMetadata(
         self, request: kv.ModelMetadataRequest, context: Context
     ) -> kv.ModelMetadataResponse:
-        self._known(request.name)
+        if request.name != self.model:
+            return await self._through("ModelMetadata", request)
         meta = kv.ModelMetadataResponse(name=self.model, versions=["1"], platform="ensemble")
         for name, spec in INPUTS.items():
             meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, 1])
@@ -251,7 +288,8 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelConfig(
         self, request: kv.ModelConfigRequest, context: Context
     ) -> kv.ModelConfigResponse:
-        self._known(request.name)
+        if request.name != self.model:
+            return await self._through("ModelConfig", request)
         config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=1)
         for name, spec in INPUTS.items():
             config.input.add(
@@ -260,6 +298,56 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
         config.model_transaction_policy.decoupled = True
         return kv.ModelConfigResponse(config=config)
+
+    # -- passed through to Triton ------------------------------------------------------------
+
+    async def ModelStatistics(
+        self, request: kv.ModelStatisticsRequest, context: Context
+    ) -> kv.ModelStatisticsResponse:
+        return await self._through("ModelStatistics", request)
+
+    async def RepositoryIndex(
+        self, request: kv.RepositoryIndexRequest, context: Context
+    ) -> kv.RepositoryIndexResponse:
+        return await self._through("RepositoryIndex", request)
+
+    async def RepositoryModelLoad(
+        self, request: kv.RepositoryModelLoadRequest, context: Context
+    ) -> kv.RepositoryModelLoadResponse:
+        return await self._through("RepositoryModelLoad", request, every=True)
+
+    async def RepositoryModelUnload(
+        self, request: kv.RepositoryModelUnloadRequest, context: Context
+    ) -> kv.RepositoryModelUnloadResponse:
+        return await self._through("RepositoryModelUnload", request, every=True)
+
+    async def TraceSetting(
+        self, request: kv.TraceSettingRequest, context: Context
+    ) -> kv.TraceSettingResponse:
+        return await self._through("TraceSetting", request)
+
+    async def LogSettings(
+        self, request: kv.LogSettingsRequest, context: Context
+    ) -> kv.LogSettingsResponse:
+        return await self._through("LogSettings", request)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
 
     # -- inference ---------------------------------------------------------------------------
 

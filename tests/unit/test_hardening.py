@@ -163,6 +163,8 @@ def test_every_admin_method_needs_the_admin_role() -> None:
     assert role_for("/scheduler.v1.Scheduler/Generate") == auth.CLIENT
     assert role_for("/inference.GRPCInferenceService/ModelInfer") == auth.CLIENT
     assert role_for("/inference.GRPCInferenceService/RepositoryModelLoad") == auth.ADMIN
+    assert role_for("/inference.GRPCInferenceService/LogSettings") == auth.ADMIN
+    assert role_for("/inference.GRPCInferenceService/RepositoryIndex") == auth.CLIENT  # reading
     assert role_for("/grpc.health.v1.Health/Check") == ""
     assert role_for("/some.Unknown/Method") == auth.ADMIN  # unlisted: the strictest
 
@@ -539,3 +541,13 @@ def test_an_unexpected_failure_in_a_streamed_request_still_answers_it_with_its_i
         assert loop.metrics.internal_errors.labels("ModelStreamInfer")._value.get() == 1
 
     serve(ScriptedBackend(), body)
+
+
+def test_both_wordings_of_a_full_engine_queue_are_resource_exhausted() -> None:
+    from scheduler_svc.errors import BackendBusyError, from_backend_message  # noqa: PLC0415
+
+    for text in (
+        "Exceeds maximum queue size",  # Triton core
+        "Maximum queue size of 64 has been reached, please try again later",  # the executor
+    ):
+        assert isinstance(from_backend_message(text), BackendBusyError)

@@ -117,3 +117,22 @@ def test_a_queue_timeout_and_a_backend_failure_reach_the_caller_as_their_errors(
 
     lane = {"name": "hot", "queue_timeout_s": None, "max_wait_s": None}
     serve(backend, body, lanes=[lane], max_batches_in_flight=1)
+
+
+def test_a_request_id_is_a_label_clients_may_reuse_at_once() -> None:
+    backend = ScriptedBackend(first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        backend.hold()
+        same = [GenerationParams("client-1", prompt="Tell me a story", max_tokens=2)] * 4
+        tasks = [asyncio.create_task(collect(service, p)) for p in same]
+        await asyncio.sleep(0)
+        backend.release()
+        for events in await asyncio.gather(*tasks):
+            final = events[-1]
+            assert isinstance(final, Final) and final.request_id == "client-1"
+            assert final.completion_tokens == 2
+        engine_ids = {row.request_id for call in backend.calls for row in call.rows}
+        assert len(engine_ids) == 4 and "client-1" not in engine_ids  # its own id inside
+
+    serve(backend, body)
