@@ -274,6 +274,13 @@ def test_the_pod_drains_the_sidecar_first_and_runs_locked_down() -> None:
     assert not open_ports & {8000, 8001}
 
 
+def test_gpu_pods_roll_without_a_surge_pod_waiting_for_a_gpu() -> None:
+    patch = k8s_docs(K8S / "overlays" / "gpu" / "gpu.yaml")[0]
+    strategy = patch["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
 def test_compose_binds_loopback_and_keeps_monitoring_closed() -> None:
     services = compose("cpu")["services"]
     for name in ("sidecar-cpu", "prometheus", "grafana"):
