@@ -83,6 +83,9 @@ class GenerationParams:
     top_p: float = 0.0
     top_k: int = 0
     seed: int = 0
+    # The engine's end and pad token ids for this request; None takes the model's.
+    end_id: int | None = None
+    pad_id: int | None = None
     stop: tuple[str, ...] = ()
     urgency: Urgency = Urgency.STANDARD
     tenant: str = ""
@@ -198,6 +201,10 @@ class GenerationService:
             raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
             raise BadRequestError(f"stop: each string needs 1..{MAX_STOP_CHARS} characters")
+        if params.end_id is not None and not -1 <= params.end_id < self.vocab_size:
+            raise BadRequestError(f"end_id: {params.end_id} is outside -1..{self.vocab_size - 1}")
+        if params.pad_id is not None and not 0 <= params.pad_id < self.vocab_size:
+            raise BadRequestError(f"pad_id: {params.pad_id} is outside 0..{self.vocab_size - 1}")
         if params.queue_timeout_s is not None and params.queue_timeout_s <= 0:
             raise BadRequestError(f"timeout: {params.queue_timeout_s} s is not positive")
         return max_tokens
@@ -264,8 +271,8 @@ class GenerationService:
             request_id=run.internal_id,
             prompt_ids=prompt,
             max_tokens=max_tokens,
-            end_id=self.cfg.model.end_id,
-            pad_id=self.cfg.model.pad_id,
+            end_id=self.cfg.model.end_id if params.end_id is None else params.end_id,
+            pad_id=self.cfg.model.pad_id if params.pad_id is None else params.pad_id,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,

@@ -59,6 +59,8 @@ INPUTS: dict[str, _Spec] = {
     "top_k": _Spec("INT32", mc.TYPE_INT32, True),
     "top_p": _Spec("FP32", mc.TYPE_FP32, True),
     "random_seed": _Spec("UINT64", mc.TYPE_UINT64, True),
+    "end_id": _Spec("INT32", mc.TYPE_INT32, True),
+    "pad_id": _Spec("INT32", mc.TYPE_INT32, True),
 }
 OUTPUT = "text_output"
 _NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
@@ -178,6 +180,8 @@ def parse_infer_request(
         top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
         top_p=float(values.get("top_p", 0.0)),  # type: ignore[arg-type]
         seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
+        end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
+        pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
         urgency=_urgency(_parameter(request, "priority")),
         queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
         time_remaining_s=time_remaining_s,

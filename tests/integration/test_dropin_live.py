@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -91,3 +92,19 @@ def test_request_ids_are_labels_clients_may_reuse(sidecar: SidecarProcess) -> No
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_the_sidecars_ensemble_contract_is_within_tritons_and_lists_end_and_pad_ids(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    ours = grpcclient.InferenceServerClient(sidecar.url).get_model_metadata("ensemble")
+    theirs = grpcclient.InferenceServerClient(triton.grpc_url).get_model_metadata("ensemble")
+    names = {i.name for i in ours.inputs}
+    assert {"end_id", "pad_id"} <= names <= {i.name for i in theirs.inputs}
+    tensors = {
+        **text_request("hello", 3),
+        "end_id": np.array([[5]], dtype=np.int32),
+        "pad_id": np.array([[0]], dtype=np.int32),
+    }
+    result = grpcclient.InferenceServerClient(sidecar.url).infer("ensemble", make_inputs(tensors))
+    assert result.as_numpy("text_output") is not None

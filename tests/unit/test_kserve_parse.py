@@ -90,3 +90,15 @@ def test_unknown_model_and_parameter_types() -> None:
     request.parameters["priority"].string_param = "high"
     with pytest.raises(BadRequestError, match="parameter priority: expected an integer"):
         parse_infer_request(request, "ensemble", None)
+
+
+def test_end_id_and_pad_id_are_part_of_the_contract_as_in_the_ensemble() -> None:
+    request = stock_request(
+        text_input=text("hi"), max_tokens=int32(4), end_id=int32(7), pad_id=int32(0)
+    )
+    params, _ = parse_infer_request(request, "ensemble", None)
+    assert (params.end_id, params.pad_id) == (7, 0)
+    plain, _ = parse_infer_request(
+        stock_request(text_input=text(), max_tokens=int32(4)), "ensemble", None
+    )
+    assert (plain.end_id, plain.pad_id) == (None, None)  # the model's own

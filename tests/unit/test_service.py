@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.types import Target
-from scheduler_svc.errors import BackendFailedError, QueueTimeoutError
+from scheduler_svc.errors import BackendFailedError, BadRequestError, QueueTimeoutError
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.runner import runner_for
 from scheduler_svc.server.app import make_scheduler
@@ -134,5 +136,19 @@ def test_a_request_id_is_a_label_clients_may_reuse_at_once() -> None:
             assert final.completion_tokens == 2
         engine_ids = {row.request_id for call in backend.calls for row in call.rows}
         assert len(engine_ids) == 4 and "client-1" not in engine_ids  # its own id inside
+
+    serve(backend, body)
+
+
+def test_a_request_may_set_its_end_and_pad_ids_within_the_vocabulary() -> None:
+    backend = ScriptedBackend(first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        await collect(service, GenerationParams("e", prompt="hi", max_tokens=2, end_id=9, pad_id=0))
+        [row] = backend.calls[-1].rows
+        assert (row.end_id, row.pad_id) == (9, 0)
+        for bad in ({"end_id": -2}, {"pad_id": 10**9}):
+            with pytest.raises(BadRequestError, match=next(iter(bad))):
+                await collect(service, GenerationParams("b", prompt="hi", **bad))  # type: ignore[arg-type]
 
     serve(backend, body)
