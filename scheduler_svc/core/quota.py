@@ -53,13 +53,6 @@ class TenantQuotas:
     def limits(self, tenant: str) -> Limits:
         return self.tenants.get(tenant, self.default)
 
-    @property
-    def unlimited(self) -> bool:
-        return all(
-            lim.max_concurrent is None and lim.tokens_per_s is None
-            for lim in (self.default, *self.tenants.values())
-        )
-
     def take(self, tenant: str, tokens: int, now: float) -> Refusal | None:
         """Admit one request of `tokens` for `tenant`, or say why not (nothing is taken)."""
         limits = self.limits(tenant)
