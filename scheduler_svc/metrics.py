@@ -109,7 +109,8 @@ class SidecarMetrics:
         )
         self.tenant_refused = Counter(
             "scheduler_svc_tenant_quota_refusals",
-            "Requests refused by their tenant's quota (top tenants by name, the rest as other).",
+            "Requests refused by their tenant's quota: configured tenants and the first refused "
+            "ones by name (quotas.metric_tenants in all), the rest as other.",
             ["tenant", "quota"],
             registry=r,
         )

@@ -166,7 +166,6 @@ class Sidecar:
                 lambda: self._tls_fresh.pop(name, None),
                 require_client_authentication=tls.require_client_cert,
             )
-            self._tls_fresh.pop(name, None)
             bound = server.add_secure_port(address, credentials)
         if bound == 0:
             raise OSError(f"cannot listen on {address}")

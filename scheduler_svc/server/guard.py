@@ -204,43 +204,38 @@ class _Call:
                 f"the client read nothing for {self.guard.write_timeout_s:g} s; call ended"
             ) from None
 
-    async def unary_unary(self, raw: bytes, context: Context) -> Any:
+    async def _guarded(self, context: Context, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Admit the caller, then run `work` (which decodes the request: only after the
+        caller is admitted); answer any failure with its status."""
         try:
             self._admit(context)
-            return await self.handler.unary_unary(self._request(raw), context)
+            return await work()
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
             await self._fail(context, exc)
+
+    async def unary_unary(self, raw: bytes, context: Context) -> Any:
+        return await self._guarded(
+            context, lambda: self.handler.unary_unary(self._request(raw), context)
+        )
 
     async def stream_unary(self, raws: AsyncIterator[bytes], context: Context) -> Any:
-        try:
-            self._admit(context)
-            return await self.handler.stream_unary(self._requests(raws), context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await self._fail(context, exc)
+        return await self._guarded(
+            context, lambda: self.handler.stream_unary(self._requests(raws), context)
+        )
 
     async def unary_stream(self, raw: bytes, context: Context) -> None:
-        try:
-            self._admit(context)
-            answers = self.handler.unary_stream(self._request(raw), context)
-            await self._pipe(answers, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await self._fail(context, exc)
+        await self._guarded(
+            context,
+            lambda: self._pipe(self.handler.unary_stream(self._request(raw), context), context),
+        )
 
     async def stream_stream(self, raws: AsyncIterator[bytes], context: Context) -> None:
-        try:
-            self._admit(context)
-            answers = self.handler.stream_stream(self._requests(raws), context)
-            await self._pipe(answers, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await self._fail(context, exc)
+        await self._guarded(
+            context,
+            lambda: self._pipe(self.handler.stream_stream(self._requests(raws), context), context),
+        )
 
     async def _pipe(self, answers: Any, context: Context) -> None:
         if not hasattr(answers, "__aiter__"):  # a handler that writes for itself

@@ -335,23 +335,12 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> kv.LogSettingsResponse:
         return await self._through("LogSettings", request)
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+    async def _no_shared_memory(self, request: Any, context: Context) -> Any:
         raise UnsupportedError(_NO_SHARED_MEMORY)
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise UnsupportedError(_NO_SHARED_MEMORY)
-
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise UnsupportedError(_NO_SHARED_MEMORY)
-
-    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise UnsupportedError(_NO_SHARED_MEMORY)
-
-    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise UnsupportedError(_NO_SHARED_MEMORY)
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise UnsupportedError(_NO_SHARED_MEMORY)
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = _no_shared_memory
+    SystemSharedMemoryUnregister = CudaSharedMemoryStatus = _no_shared_memory
+    CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _no_shared_memory
 
     # -- inference ---------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +41,7 @@ def render_engine(dst_repo: Path, name: str, overrides: dict[str, str]) -> None:
     copy_engine_variant(CPU_REPO / "tensorrt_llm", dst_repo, name, overrides)
 
 
-def _start(repo: Path, log_path: Path) -> TritonServer:
+def _start(repo: Path, log_path: Path, extra_args: Sequence[str] = ()) -> TritonServer:
     log_file = log_path.open("w")
     server = TritonServer(
         repo,
@@ -49,6 +49,7 @@ def _start(repo: Path, log_path: Path) -> TritonServer:
         http_port=0,
         metrics_port=0,
         log=lambda line: print(line, file=log_file, flush=True),
+        extra_args=extra_args,
     )
     server.start()
     _started.append(server)

@@ -4,7 +4,6 @@ is refused before work (never UNKNOWN), a frozen Triton, and SIGTERM with reques
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.certs import Authority
-from tests.integration.conftest import CPU_REPO
+from tests.integration.conftest import CPU_REPO, _start
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import make_inputs, text_request
@@ -263,24 +262,18 @@ def tls_triton(
     directory = tmp_path_factory.mktemp("triton-tls")
     ca = Authority(directory, "triton-ca")
     pair = ca.issue("triton", ["triton.local"])
-    log_file = (directory / "triton.log").open("w")
-    server = TritonServer(
+    server = _start(
         CPU_REPO,
-        grpc_port=0,
-        http_port=0,
-        metrics_port=0,
-        log=lambda line: print(line, file=log_file, flush=True),
-        extra_args=[
+        directory / "triton.log",
+        [
             "--grpc-use-ssl=true",
             f"--grpc-server-cert={pair.cert}",
             f"--grpc-server-key={pair.key}",
             f"--grpc-root-cert={ca.pair.cert}",
         ],
     )
-    server.start()
     yield server, ca
-    if server._proc is not None:  # never leave it frozen
-        os.killpg(server._proc.pid, signal.SIGCONT)
+    server.signal(signal.SIGCONT)  # never leave it frozen
     server.stop()
 
 
@@ -306,8 +299,7 @@ def test_a_frozen_triton_ends_every_request_unavailable_and_frees_its_place(
         ]
         for stream in streams:
             next(stream)  # every one is running
-        assert triton._proc is not None
-        os.killpg(triton._proc.pid, signal.SIGSTOP)
+        triton.signal(signal.SIGSTOP)
         started = time.monotonic()
         codes = []
         for stream in streams:  # no client deadline: only the sidecar can end them
@@ -325,7 +317,7 @@ def test_a_frozen_triton_ends_every_request_unavailable_and_frees_its_place(
             lambda: sidecar.admin().GetStats(pb.GetStatsRequest()).in_flight == 0,
             "their places are free",
         )
-        os.killpg(triton._proc.pid, signal.SIGCONT)
+        triton.signal(signal.SIGCONT)
         eventually(
             lambda: (
                 code_of(
