@@ -80,6 +80,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("auth", "credentials_file"): getattr(args, "credentials_file", None),
         ("server", "port"): args.port,
         ("server", "admin_port"): getattr(args, "admin_port", None),
+        ("server", "http_port"): getattr(args, "http_port", None),
         ("server", "log_level"): args.log_level,
     }
     nested: dict[str, Any] = {}
@@ -116,7 +117,11 @@ async def _serve_until_signal(
     if on_ready:
         metrics_port = sidecar.metrics.port if sidecar.metrics is not None else "-"
         admin = f"127.0.0.1:{sidecar.admin_port}" if sidecar.admin_port is not None else "off"
-        print(on_ready.format(port=port, metrics_port=metrics_port, admin=admin), flush=True)
+        http = f"http://127.0.0.1:{sidecar.http_port}" if sidecar.http_port is not None else "off"
+        print(
+            on_ready.format(port=port, metrics_port=metrics_port, admin=admin, http=http),
+            flush=True,
+        )
     waiter = asyncio.create_task(sidecar.wait())
     await asyncio.wait(
         {waiter, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
@@ -136,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 RUN_METRICS_PORT = 9464
+RUN_HTTP_PORT = 8080
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -159,9 +165,12 @@ def _run(args: argparse.Namespace) -> int:
             overrides.setdefault("triton", {})["url"] = server.grpc_url
             overrides["triton"]["metrics_url"] = server.metrics_url
             cfg = load_config(args.config, overrides)
-            if cfg.server.metrics_port is None:  # the embedded default shows its metrics
-                overrides.setdefault("server", {})["metrics_port"] = RUN_METRICS_PORT
-                cfg = load_config(args.config, overrides)
+            # The embedded default shows its metrics and serves HTTP.
+            defaults = {"metrics_port": RUN_METRICS_PORT, "http_port": RUN_HTTP_PORT}
+            for key, port in defaults.items():
+                if getattr(cfg.server, key) is None:
+                    overrides.setdefault("server", {})[key] = port
+            cfg = load_config(args.config, overrides)
             logs.configure(cfg.server.log_level)
             ready = (
                 f"tritonserver  gRPC {server.grpc_url}  HTTP {server.http_url}  "
@@ -169,6 +178,7 @@ def _run(args: argparse.Namespace) -> int:
                 "sidecar       gRPC 127.0.0.1:{port}  "
                 "(scheduler.v1, KServe v2, health, reflection)  "
                 "metrics http://127.0.0.1:{metrics_port}/metrics\n"
+                "              HTTP {http}  (OpenAI /v1, Triton generate /v2)\n"
                 "              admin {admin} (loopback: no credential needed)\n"
                 "No credentials are configured: the client API is open on loopback only. To "
                 "serve other hosts, set server.host and auth.credentials_file (docs/sidecar.md)."
@@ -363,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--admin-port",
             type=int,
             help="admin listener port, 0 for a free one (server.admin_port)",
+        )
+        cmd.add_argument(
+            "--http-port",
+            type=int,
+            help="HTTP port (OpenAI /v1, Triton generate), 0 for a free one (server.http_port)",
         )
         cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
         cmd.add_argument(

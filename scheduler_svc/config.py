@@ -107,7 +107,15 @@ class ModelConfig(_Frozen):
         description="Folder with the model's tokenizer.json; `deepseek-v4` is the packaged one.",
     )
     kserve_model: str = Field(
-        "ensemble", min_length=1, description="Model name the KServe front answers for (text)."
+        "ensemble",
+        min_length=1,
+        max_length=256,
+        description="Model name the KServe, generate and OpenAI fronts answer for (text).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file for /v1/chat/completions; null: the "
+        "tokenizer's own (`chat_template` in tokenizer_config.json), else a plain one.",
     )
     max_input_tokens: int = Field(
         4096, ge=1, le=1_000_000, description="Longest prompt accepted, in tokens."
@@ -254,7 +262,16 @@ class ServerConfig(_Frozen):
         description="A listener of its own for scheduler.v1.Admin (0: a free one); null: none. "
         "Admin on the client port always needs an admin credential.",
     )
-    tls: ServerTls | None = Field(None, description="TLS on both listeners; null: plaintext.")
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="HTTP port for the OpenAI-compatible /v1 API and Triton's generate "
+        "extension, on `host` (0: a free one); null: no HTTP listener.",
+    )
+    tls: ServerTls | None = Field(
+        None, description="TLS on every listener (gRPC and HTTP); null: plaintext."
+    )
     max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="Largest request accepted."
     )
@@ -295,6 +312,40 @@ class ServerConfig(_Frozen):
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="Log level.")
 
 
+UrgencyName = Literal["interactive", "standard", "batch"]
+# llm-d's InferenceObjective names (criticality) and plain urgency names.
+_OBJECTIVES: dict[str, UrgencyName] = {
+    "critical": "interactive",
+    "interactive": "interactive",
+    "standard": "standard",
+    "sheddable": "batch",
+    "batch": "batch",
+}
+
+
+class HttpConfig(_Frozen):
+    """How the HTTP fronts read a request's lane and tenant from a gateway's headers."""
+
+    objective_header: str = Field(
+        "x-llm-d-inference-objective",
+        min_length=1,
+        max_length=64,
+        description="Header naming the request's objective (llm-d's InferenceObjective); its "
+        "value is looked up in `objectives`.",
+    )
+    objectives: dict[str, UrgencyName] = Field(
+        default_factory=lambda: dict(_OBJECTIVES),
+        description="Objective names and the urgency each maps to; an unknown name is refused "
+        "400 with the known ones.",
+    )
+    tenant_header: str = Field(
+        "x-tenant",
+        min_length=1,
+        max_length=64,
+        description="Header naming the tenant; a credential's tenant may only be narrowed.",
+    )
+
+
 class SidecarConfig(_Frozen):
     """Everything `scheduler-svc serve` needs."""
 
@@ -302,6 +353,7 @@ class SidecarConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     policy: dict[str, Any] = Field(

@@ -283,3 +283,26 @@ def from_backend_message(message: str) -> RequestError:
         if needle in message:
             return cls(f"backend: {message}")
     return BackendFailedError(f"backend failed the request: {message}")
+
+
+# The HTTP fronts answer with the HTTP code of the error's gRPC status (Triton's HTTP server
+# maps its codes the same way; 429 carries Retry-After).
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(error: RequestError) -> int:
+    return HTTP_STATUS.get(grpc_status(error), 500)

@@ -266,6 +266,12 @@ def _kv(stats: SchedulerStats) -> Iterator[Metric]:
         blocks.add_metric([state], value)
     yield blocks
     yield GaugeMetricFamily(
+        "scheduler_svc_kv_cache_usage_ratio",
+        "Share of the engine's KV blocks in use or reserved (0..1), as the KV mirror sees them "
+        "(what a gateway's endpoint picker scores pods by).",
+        1.0 - kv.free_blocks / kv.total_blocks if kv.total_blocks else 0.0,
+    )
+    yield GaugeMetricFamily(
         "scheduler_svc_kv_fragmentation_ratio",
         "Allocated-but-unused token slots over allocated slots, across reservations.",
         kv.fragmentation,

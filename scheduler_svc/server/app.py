@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from scheduler_svc.backends.base import Backend, EngineProfile
 from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
+from scheduler_svc.chat import ChatTemplate
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
@@ -36,6 +38,7 @@ from scheduler_svc.runner import RowRunner, runner_for
 from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.server.controls import SidecarControls
 from scheduler_svc.server.guard import Guard, Identity
+from scheduler_svc.server.http import HttpFront
 from scheduler_svc.service import GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -99,6 +102,10 @@ class Sidecar:
             lambda: self.profile,
         )
         self.metrics: MetricsServer | None = None
+        self.chat = ChatTemplate.load(cfg.model.chat_template, cfg.model.tokenizer_dir)
+        self.http: HttpFront | None = None
+        self.http_port: int | None = None
+        self._http_tls: ssl.SSLContext | None = None
         self._serving: bool | None = None
         self.port = 0
         self.admin_port: int | None = None
@@ -136,6 +143,23 @@ class Sidecar:
         except OSError as exc:
             raise ConfigError(f"server.tls: cannot read {exc.filename}: {exc.strerror}") from None
         return grpc.ssl_server_certificate_configuration([(key, chain)], roots)
+
+    def _ssl_context(self, context: ssl.SSLContext | None = None) -> ssl.SSLContext:
+        """The HTTP listener's TLS context (the same files as the gRPC listeners'); given a
+        running one, its certificate is loaded again in place (new handshakes use it)."""
+        tls = self.cfg.server.tls
+        assert tls is not None
+        fresh = context or ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            fresh.load_cert_chain(tls.cert_file, tls.key_file)
+            if tls.client_ca_file:
+                fresh.load_verify_locations(tls.client_ca_file)
+                fresh.verify_mode = (
+                    ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+                )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"server.tls: cannot load the certificate files: {exc}") from None
+        return fresh
 
     def _server_for(self, guard: Guard) -> grpc.aio.Server:
         server_cfg = self.cfg.server
@@ -223,6 +247,13 @@ class Sidecar:
         await self._server.start()
         if self._admin_server is not None:
             await self._admin_server.start()
+        if server_cfg.http_port is not None:
+            self.http = HttpFront(self.service, lambda: self._client_identity, self.chat)
+            if server_cfg.tls is not None:
+                self._http_tls = self._ssl_context()
+            self.http_port = await self.http.start(
+                server_cfg.host, server_cfg.http_port, self._http_tls
+            )
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
         triton = self.cfg.triton
         if triton.metrics_url or any(r.metrics_url for r in triton.replicas):
@@ -238,6 +269,7 @@ class Sidecar:
             "sidecar ready",
             port=self.port,
             admin_port=self.admin_port,
+            http_port=self.http_port,
             metrics_port=self.metrics.port if self.metrics else None,
             triton=self.cfg.triton.url,
             scheduler=self.loop.scheduler.name,
@@ -253,6 +285,8 @@ class Sidecar:
             self._client_identity, self._admin_identity = self._identities()
             if self.cfg.server.tls is not None:
                 fresh = self._tls_configuration()
+                if self._http_tls is not None:
+                    self._ssl_context(self._http_tls)
                 self._tls_fresh = {"client": fresh, "admin": fresh}
         except ConfigError as exc:
             log.error("credentials / TLS reload refused; the running ones stay", error=str(exc))
@@ -360,6 +394,8 @@ class Sidecar:
         for server in (self._server, self._admin_server):
             if server is not None:
                 await server.stop(answer_s)
+        if self.http is not None:
+            await self.http.close()
         for task in (self._watcher, self._poller):
             if task is not None:
                 task.cancel()

@@ -76,14 +76,23 @@ class Identity:
     anonymous: Principal  # who a caller without any credential is
 
     def identify(self, context: Context) -> Principal:
-        token = _bearer(context)
-        if token is not None:
-            found = self.credentials.by_token(token) if self.credentials else None
+        return self.identify_by(_authorization(context), lambda: _peer_names(context))
+
+    def identify_by(
+        self, authorization: str | None, peer_names: Callable[[], list[str]]
+    ) -> Principal:
+        """The principal of a caller that sent this Authorization value (or none) and holds a
+        client certificate with these names (asked only when there is no token)."""
+        token = bearer(authorization)
+        # With no credentials configured a token means nothing: the caller is anonymous (the
+        # OpenAI client always sends one, whatever the server).
+        if token is not None and self.credentials is not None:
+            found = self.credentials.by_token(token)
             if found is None:
                 raise UnauthenticatedError("the bearer token is not valid")
             return found
         if self.credentials is not None:
-            names = _peer_names(context)
+            names = peer_names()
             if names:
                 found = self.credentials.by_identity(names)
                 if found is not None:
@@ -91,21 +100,41 @@ class Identity:
         return self.anonymous
 
 
-def _bearer(context: Context) -> str | None:
+def _authorization(context: Context) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            text = value.decode("latin-1") if isinstance(value, bytes) else value
-            scheme, _, token = text.partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise UnauthenticatedError("authorization: expected 'Bearer <token>'")
-            return token.strip()
+            return value.decode("latin-1") if isinstance(value, bytes) else value
     return None
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` value; None when there is no value."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise UnauthenticatedError("authorization: expected 'Bearer <token>'")
+    return token.strip()
 
 
 def _peer_names(context: Context) -> list[str]:
     auth = context.auth_context() or {}
     names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
     return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names]
+
+
+def admit(principal: Principal, role: str, what: str) -> Principal:
+    """`principal` when it holds `role`; otherwise UNAUTHENTICATED (no credential at all) or
+    PERMISSION_DENIED."""
+    if role not in principal.roles:
+        if not principal.roles:
+            raise UnauthenticatedError(
+                "this server needs a credential (a bearer token or a client certificate)"
+            )
+        raise PermissionDeniedError(
+            f"{what} needs the {role} role; '{principal.name}' does not have it"
+        )
+    return principal
 
 
 class Guard(grpc.aio.ServerInterceptor):
@@ -162,15 +191,7 @@ class _Call:
 
     def _admit(self, context: Context) -> None:
         principal = self.guard.identity().identify(context)
-        if self.role not in principal.roles:
-            if not principal.roles:
-                raise UnauthenticatedError(
-                    "this server needs a credential (a bearer token or a client certificate)"
-                )
-            raise PermissionDeniedError(
-                f"{self.method} needs the {self.role} role; '{principal.name}' does not have it"
-            )
-        CURRENT.set(principal)
+        CURRENT.set(admit(principal, self.role, self.method))
 
     def _request(self, raw: bytes) -> Any:
         try:

@@ -120,7 +120,7 @@ def _parameter(request: kv.ModelInferRequest, key: str) -> int | None:
     raise BadRequestError(f"parameter {key}: expected an integer, got {which}")
 
 
-def _urgency(priority: int | None) -> Urgency:
+def triton_urgency(priority: int | None) -> Urgency:
     """Triton's priority: 1 is the most urgent level, 0 means the default."""
     if priority is None or priority == 0:
         return Urgency.STANDARD
@@ -154,39 +154,55 @@ def parse_infer_request(
                 "prompt per request (shape [1, 1])"
             )
         values[tensor.name] = items[0]
-    for name, spec in INPUTS.items():
-        if not spec.optional and name not in values:
-            raise BadRequestError(f"missing required input '{name}'")
     for output in request.outputs:
         if output.name != OUTPUT:
             raise BadRequestError(f"unknown output {clip(output.name)} (this model has '{OUTPUT}')")
-    raw_text = values["text_input"]
-    assert isinstance(raw_text, bytes)
-    try:
-        text = raw_text.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequestError(
-            f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})"
-        ) from None
     timeout_us = _parameter(request, "timeout")
+    params = params_from_inputs(
+        values, request.id, _parameter(request, "priority"), timeout_us, time_remaining_s
+    )
+    return params, bool(values.get("stream", False))
+
+
+def params_from_inputs(
+    values: dict[str, object],
+    request_id: str,
+    priority: int | None,
+    timeout_us: int | None,
+    time_remaining_s: float | None,
+) -> GenerationParams:
+    """The generation parameters of the ensemble's inputs (checked against INPUTS: names and
+    types) and Triton's request parameters `priority` and `timeout`."""
+    for name, spec in INPUTS.items():
+        if not spec.optional and name not in values:
+            raise BadRequestError(f"missing required input '{name}'")
+    raw_text = values["text_input"]
+    if isinstance(raw_text, str):
+        text = raw_text
+    else:
+        assert isinstance(raw_text, bytes)
+        try:
+            text = raw_text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequestError(
+                f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            ) from None
     if timeout_us is not None and timeout_us < 0:
         raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
-    max_tokens = int(values["max_tokens"])  # type: ignore[call-overload]
-    params = GenerationParams(
-        request_id=request.id,
+    return GenerationParams(
+        request_id=request_id,
         prompt=text,
-        max_tokens=max_tokens,
+        max_tokens=int(values["max_tokens"]),  # type: ignore[call-overload]
         temperature=float(values.get("temperature", 0.0)),  # type: ignore[arg-type]
         top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
         top_p=float(values.get("top_p", 0.0)),  # type: ignore[arg-type]
         seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
         end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
         pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
-        urgency=_urgency(_parameter(request, "priority")),
+        urgency=triton_urgency(priority),
         queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
         time_remaining_s=time_remaining_s,
     )
-    return params, bool(values.get("stream", False))
 
 
 def _response(

@@ -28,6 +28,7 @@ class SidecarProcess:
         self.lines: list[str] = []
         self.port = 0
         self.admin_port: int | None = None
+        self.http_port: int | None = None
         self._ready = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
@@ -44,6 +45,8 @@ class SidecarProcess:
                 "--port",
                 "0",
                 "--admin-port",
+                "0",
+                "--http-port",
                 "0",
                 "--host",
                 "127.0.0.1",
@@ -69,6 +72,7 @@ class SidecarProcess:
             if event and event.get("event") == "sidecar ready":
                 self.port = int(event["port"])
                 self.admin_port = event.get("admin_port")
+                self.http_port = event.get("http_port")
                 self._ready.set()
 
     @staticmethod
@@ -102,6 +106,11 @@ class SidecarProcess:
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.url)
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP fronts' base address (OpenAI under /v1, Triton's generate under /v2)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def admin_url(self) -> str:
