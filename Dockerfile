@@ -18,7 +18,7 @@ RUN pip install --no-cache-dir -c /tmp/constraints.txt /wheels/*.whl \
  && useradd --system --uid 10001 --no-create-home sidecar
 COPY deploy/k8s/overlays/cpu/sidecar.yaml /etc/scheduler-svc/config.yaml
 USER 10001
-EXPOSE 50051 9464
+EXPOSE 50051 8080 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50051"]
 ENTRYPOINT ["scheduler-svc"]

@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-core simulate sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-http bench-core simulate sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -71,6 +71,17 @@ bench-quick: $(GEN)
 # Engine timing (a benchmark, never a test): writes figures for model_repo/README.md.
 bench-engine: $(GEN)
 	$(BIN)/python benchmarks/engine_timing.py
+
+# AIPerf against the sidecar's /v1/completions, FIFO against the policy (a benchmark): the table
+# in docs/benchmarks.md. AIPerf gets an environment of its own, pinned by its constraints file.
+AIPERF_VENV := .venv-aiperf
+$(AIPERF_VENV)/.installed: benchmarks/aiperf-constraints.txt
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet -c benchmarks/aiperf-constraints.txt aiperf
+	@touch $@
+
+bench-http: $(GEN) $(AIPERF_VENV)/.installed
+	$(BIN)/python benchmarks/http_aiperf.py --aiperf $(AIPERF_VENV)/bin/aiperf
 
 # The sidecar's overhead against Triton alone (a benchmark): figures for docs/sidecar.md.
 bench-sidecar: $(GEN)

@@ -130,10 +130,21 @@ def engine_model(strategy: str) -> str:
 def start_sidecar(
     triton_url: str, log_path: Path, config: Path | None = None
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start `scheduler-svc serve` on a free port; return the process and its address. Its JSON
-    log (one line per request) goes to `log_path`."""
+    """Start `scheduler-svc serve` on a free port; return the process and its gRPC address."""
+    proc, ready = start_sidecar_process(triton_url, log_path, config)
+    return proc, f"127.0.0.1:{ready['port']}"
+
+
+def start_sidecar_process(
+    triton_url: str, log_path: Path, config: Path | None = None, http: bool = False
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Start `scheduler-svc serve` on free ports (and an HTTP one when asked); return the
+    process and its "sidecar ready" log event (the ports). Its JSON log (one line per request)
+    goes to `log_path`."""
     command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--triton-url", triton_url]
     command += ["--port", "0", "--admin-port", "0", "--host", "127.0.0.1"]
+    if http:
+        command += ["--http-port", "0"]
     if config is not None:
         command += ["--config", str(config)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -150,7 +161,7 @@ def start_sidecar(
                         out.write(rest)
 
             threading.Thread(target=copy, daemon=True).start()
-            return proc, f"127.0.0.1:{event['port']}"
+            return proc, event
     raise RuntimeError(f"the sidecar did not start (exit code {proc.wait()})")
 
 

@@ -87,6 +87,12 @@ def _peer_names(request: web.Request) -> list[str]:
     return names
 
 
+def _route(request: web.Request) -> str:
+    """The matched route's pattern (a bounded metric label), never the client's path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
 def _retry_headers(error: RequestError) -> dict[str, str]:
     if error.retry_after_s is None:
         return {}
@@ -224,7 +230,7 @@ class HttpFront:
         except Exception as exc:
             error_id = uuid.uuid4().hex[:12]
             log.error("internal error", path=path, error_id=error_id, exc_info=exc)
-            self.metrics.internal_errors.labels(f"HTTP {path}"[:64]).inc()
+            self.metrics.internal_errors.labels(f"HTTP {_route(request)}").inc()
             error = InternalError(f"internal error {error_id} (logged by the sidecar)")
             return _json_response(_error_body(path, 500, str(error), error.type), status=500)
 
@@ -244,6 +250,8 @@ class HttpFront:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequestError(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequestError("the body is not valid JSON: nested too deeply") from None
 
     def _request_id(self, request: web.Request) -> str:
         return request.headers.get("x-request-id", "") or uuid.uuid4().hex

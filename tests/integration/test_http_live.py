@@ -5,6 +5,7 @@ their HTTP status (400 / 401 / 404 / 413 / 429 with Retry-After / 503)."""
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from scheduler_svc.triton.launcher import TritonServer
+from tests.integration.certs import Authority
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.test_sidecar import ENGINE, ended_early, useful_tokens
@@ -165,8 +167,9 @@ def test_bad_requests_get_openai_and_triton_shaped_errors(sidecar: SidecarProces
         assert needle in caught.value.message, caught.value.message
         error = caught.value.body
         assert isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
-    raw = httpx.post(f"{sidecar.http_url}/v1/completions", content=b"{not json")
-    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    for raw_body in (b"{not json", b"[" * 100_000):
+        raw = httpx.post(f"{sidecar.http_url}/v1/completions", content=raw_body)
+        assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     generate = f"{sidecar.http_url}/v2/models/ensemble/generate"
     for body, status, needle in (
         ({"max_tokens": 2}, 400, "missing required input 'text_input'"),
@@ -236,3 +239,44 @@ def test_no_backend_means_503_and_not_ready(tmp_path: Path) -> None:
         assert answer.json()["error"]["type"] == "service_unavailable"
     finally:
         process.stop()
+
+
+def test_https_with_a_client_certificate_as_the_credential(
+    triton: TritonServer, tmp_path: Path
+) -> None:
+    ca = Authority(tmp_path, "ca-http")
+    server = ca.issue("sidecar", ["localhost"])
+    team = ca.issue("team-a.internal", ["team-a.internal"])
+    creds = tmp_path / "credentials.yaml"
+    creds.write_text(
+        "identities:\n"
+        "  - {name: team-a, identity: team-a.internal, tenant: team-a, roles: [client]}\n"
+    )
+    tls = {
+        "cert_file": str(server.cert),
+        "key_file": str(server.key),
+        "client_ca_file": str(ca.pair.cert),
+    }
+    config = {"server": {"tls": tls}, "auth": {"credentials_file": str(creds)}}
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path, config).start()
+
+    def context(client: Any) -> ssl.SSLContext:
+        trusted = ssl.create_default_context(cafile=str(ca.pair.cert))
+        trusted.check_hostname = False  # the certificate names localhost; we dial 127.0.0.1
+        if client is not None:
+            trusted.load_cert_chain(str(client.cert), str(client.key))
+        return trusted
+
+    body = {"model": "ensemble", "prompt": "hi", "max_tokens": 2}
+    url = f"https://127.0.0.1:{sidecar.http_port}/v1/completions"
+    try:
+        answer = httpx.post(url, json=body, verify=context(team))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 2
+        bare = httpx.post(url, json=body, verify=context(None))
+        assert bare.status_code == 401 and "needs a credential" in bare.text
+        with pytest.raises(httpx.HTTPError):  # plaintext is not served
+            httpx.post(url.replace("https", "http"), json=body)
+        assert {e["tenant"] for e in sidecar.events("request end")} == {"team-a"}
+    finally:
+        sidecar.stop()

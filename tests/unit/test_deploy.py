@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -19,7 +20,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from scheduler_svc import modelrepo
 from scheduler_svc.config import load_config
+from scheduler_svc.core.types import KvStats, SchedulerStats
 from scheduler_svc.errors import ConfigError
+from scheduler_svc.metrics import SidecarMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_REPO = ROOT / "model_repo" / "cpu"
@@ -152,7 +155,11 @@ def test_the_sidecar_configs_load_and_agree_with_their_repositories() -> None:
     engine = parse(CPU_REPO / "tensorrt_llm" / "config.pbtxt")
     assert cpu.queue.max_in_flight == int(engine.parameters["max_num_sequences"].string_value)
     for cfg in (gpu, cpu):  # the same fronts and metrics on both stacks
-        assert (cfg.server.port, cfg.server.metrics_port) == (50051, 9464)
+        assert (cfg.server.port, cfg.server.http_port, cfg.server.metrics_port) == (
+            50051,
+            8080,
+            9464,
+        )
         assert cfg.triton.engine_model == "tensorrt_llm"
         assert cfg.triton.metrics_url == "http://triton:8002/metrics"
 
@@ -270,7 +277,7 @@ def test_the_pod_drains_the_sidecar_first_and_runs_locked_down() -> None:
     policy = k8s_docs(K8S / "base" / "networkpolicy.yaml")[0]
     open_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     anyone = [rule for rule in policy["spec"]["ingress"] if "from" not in rule]
-    assert {p["port"] for rule in anyone for p in rule["ports"]} == {50051}
+    assert {p["port"] for rule in anyone for p in rule["ports"]} == {50051, 8080}
     assert not open_ports & {8000, 8001}
 
 
@@ -377,3 +384,214 @@ def test_the_sidecar_image_is_slim_non_root_and_health_checked() -> None:
     assert "FROM python:3.11-slim" in text
     assert re.search(r"^USER 10001$", text, re.M)
     assert 'CMD ["scheduler-svc", "health"' in text
+
+
+# -- behind a gateway: llm-d / the Gateway API Inference Extension -----------------------------
+
+LLMD = K8S / "overlays" / "llm-d"
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 253}
+_META = {"type": "object", "required": ["name"], "properties": {"name": _NAME}}
+# The fields of InferencePool inference.networking.k8s.io/v1 (GIE v1.0) and of Gateway API's
+# HTTPRoute v1 that these manifests use, with the API's own constraints; anything else refused.
+INFERENCE_POOL_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": _META,
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {
+                            "type": "object",
+                            "minProperties": 1,
+                            "additionalProperties": {"type": "string"},
+                        }
+                    },
+                },
+                "targetPorts": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 8,
+                    "items": {
+                        "type": "object",
+                        "required": ["number"],
+                        "additionalProperties": False,
+                        "properties": {"number": _PORT},
+                    },
+                },
+                "endpointPickerRef": {
+                    "type": "object",
+                    "required": ["name", "port"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "group": {"type": "string"},
+                        "kind": {"const": "Service"},
+                        "name": _NAME,
+                        "port": {
+                            "type": "object",
+                            "required": ["number"],
+                            "additionalProperties": False,
+                            "properties": {"number": _PORT},
+                        },
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                    },
+                },
+            },
+        },
+    },
+}
+HTTP_ROUTE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "HTTPRoute"},
+        "metadata": _META,
+        "spec": {
+            "type": "object",
+            "required": ["parentRefs", "rules"],
+            "additionalProperties": False,
+            "properties": {
+                "parentRefs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "group": {"const": "gateway.networking.k8s.io"},
+                            "kind": {"const": "Gateway"},
+                            "name": _NAME,
+                        },
+                    },
+                },
+                "rules": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "matches": {"type": "array"},
+                            "backendRefs": {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": {
+                                    "type": "object",
+                                    "required": ["group", "kind", "name"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "group": {"const": "inference.networking.k8s.io"},
+                                        "kind": {"const": "InferencePool"},
+                                        "name": _NAME,
+                                    },
+                                },
+                            },
+                            "timeouts": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "request": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def llmd_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    kustomization = k8s_docs(LLMD / "kustomization.yaml")[0]
+    assert kustomization["resources"][0] == "../gpu"
+    docs = {}
+    for name in kustomization["resources"][1:]:
+        for doc in k8s_docs(LLMD / name):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def test_the_llmd_overlay_passes_its_schemas() -> None:
+    checked = set()
+    for (kind, _), doc in llmd_docs().items():
+        if kind == "InferencePool":
+            jsonschema.validate(doc, INFERENCE_POOL_SCHEMA)
+        elif kind == "HTTPRoute":
+            jsonschema.validate(doc, HTTP_ROUTE_SCHEMA)
+        else:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+        checked.add(kind)
+    assert checked == {
+        "InferencePool",
+        "HTTPRoute",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+    }
+    bad = json.loads(json.dumps(llmd_docs()[("InferencePool", "scheduler-svc")]))
+    bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    with pytest.raises(jsonschema.ValidationError):  # the schema can fail
+        jsonschema.validate(bad, INFERENCE_POOL_SCHEMA)
+
+
+def _exported_metric_names() -> set[str]:
+    metrics = SidecarMetrics()
+    kv = KvStats(1024, 512, 100, 0, 16, 0.1, False)
+    metrics.snapshot = SchedulerStats(queued=3, in_flight=2, max_queued=8, max_in_flight=4, kv=kv)
+    return {family.name for family in metrics.registry.collect()}
+
+
+def test_the_pool_the_picker_and_the_route_point_at_what_exists() -> None:
+    docs = llmd_docs()
+    pool = docs[("InferencePool", "scheduler-svc")]["spec"]
+    base = k8s_docs(K8S / "base" / "deployment.yaml")[0]["spec"]["template"]
+    assert pool["selector"]["matchLabels"].items() <= base["metadata"]["labels"].items()
+    sidecar = next(c for c in base["spec"]["initContainers"] if c["name"] == "scheduler-svc")
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    gpu = load_config(K8S / "overlays" / "gpu" / "sidecar.yaml")
+    assert [p["number"] for p in pool["targetPorts"]] == [ports["http"]] == [gpu.server.http_port]
+    picker = pool["endpointPickerRef"]
+    service = docs[("Service", picker["name"])]["spec"]
+    assert picker["port"]["number"] in {p["port"] for p in service["ports"]}
+    epp = docs[("Deployment", picker["name"])]["spec"]["template"]
+    assert service["selector"].items() <= epp["metadata"]["labels"].items()
+    flags = dict(a.removeprefix("--").split("=", 1) for a in epp["spec"]["containers"][0]["args"])
+    assert flags["pool-name"] == docs[("InferencePool", "scheduler-svc")]["metadata"]["name"]
+    assert f"--grpc-port={picker['port']['number']}" in epp["spec"]["containers"][0]["args"]
+    assert int(flags["model-server-metrics-port"]) == ports["metrics"] == gpu.server.metrics_port
+    exported = _exported_metric_names()
+    for flag in (
+        "total-queued-requests-metric",
+        "total-running-requests-metric",
+        "kv-cache-usage-percentage-metric",
+    ):
+        assert flags[flag] in exported, flag
+    route = docs[("HTTPRoute", "scheduler-svc")]["spec"]
+    assert route["rules"][0]["backendRefs"][0]["name"] == "scheduler-svc"
+    assert route["rules"][0]["timeouts"]["request"] == f"{gpu.server.max_request_s:g}s"
+    # The picker may scrape the sidecars' metrics port; the pool's port is open to clients.
+    allow = docs[("NetworkPolicy", "llm-metrics-for-the-endpoint-picker")]["spec"]
+    assert allow["podSelector"]["matchLabels"] == pool["selector"]["matchLabels"]
+    assert allow["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == epp["metadata"]["labels"]
+    images = k8s_docs(LLMD / "kustomization.yaml")[0]["images"]
+    assert {i["name"]: f"{i['newName']}:{i['newTag']}" for i in images} == {
+        "epp": versions()["EPP_IMAGE"]
+    }
