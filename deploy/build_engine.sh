@@ -58,7 +58,7 @@ trtllm-build \
   --output_dir "${engine_dir}" \
   --gemm_plugin auto \
   --gpt_attention_plugin auto \
-  --paged_kv_cache enable \
+  --kv_cache_type paged \
   --tokens_per_block 16 \
   --use_paged_context_fmha enable \
   --remove_input_padding enable \

@@ -52,7 +52,7 @@ git clone --quiet --depth 1 --branch "v${TRTLLM_VERSION}" \
 python3 "${work}/trtllm/examples/llama/convert_checkpoint.py" \
   --model_dir "${work}/hf" --output_dir "${work}/ckpt" --dtype float16
 trtllm-build --checkpoint_dir "${work}/ckpt" --output_dir "${work}/engine" \
-  --gemm_plugin auto --gpt_attention_plugin auto --paged_kv_cache enable \
+  --gemm_plugin auto --gpt_attention_plugin auto --kv_cache_type paged \
   --tokens_per_block 16 --use_paged_context_fmha enable --remove_input_padding enable \
   --max_batch_size 16 --max_num_tokens 4096 --max_input_len 2048 --max_seq_len 3072
 

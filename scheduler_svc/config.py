@@ -130,7 +130,18 @@ class ModelConfig(_Frozen):
         1024, ge=1, le=1_000_000, description="Largest max_tokens accepted."
     )
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request omits it.")
+    add_special_tokens: bool = Field(
+        True,
+        description="Tokenize with the tokenizer's special tokens (BOS), as TensorRT-LLM's "
+        "preprocessing does by default; must match the repository's preprocessing.",
+    )
     end_id: int = Field(1, ge=-1, description="The model's end token id (-1: none).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="The model's other end tokens (e.g. Llama 3's <|end_of_text|> beside "
+        "<|eot_id|>), sent to the engine as stop_words_list; generation ends on any of them.",
+    )
     pad_id: int = Field(2, ge=0, description="The model's pad token id.")
 
     @model_validator(mode="after")

@@ -33,6 +33,7 @@ from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
+    ConfigError,
     InternalError,
     MaxDurationError,
     OverloadedError,
@@ -124,6 +125,13 @@ class GenerationService:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        outside = [t for t in cfg.model.stop_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ConfigError(
+                f"model.stop_token_ids: {outside[0]} is outside the vocabulary "
+                f"0..{self.vocab_size - 1}"
+            )
+        self._stop_words = tuple((t,) for t in cfg.model.stop_token_ids)
         self.loop = loop
         self.backend_ready = False
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
@@ -137,7 +145,8 @@ class GenerationService:
 
     def _encode(self, text: str) -> tuple[int, ...]:
         # encode_batch releases the GIL while it works; encode does not.
-        return tuple(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+        special = self.cfg.model.add_special_tokens
+        return tuple(self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
 
     async def _prompt_ids(self, params: GenerationParams) -> tuple[int, ...]:
         limit = self.cfg.model.max_input_tokens
@@ -277,6 +286,7 @@ class GenerationService:
             top_k=params.top_k,
             top_p=params.top_p,
             seed=params.seed,
+            stop_words=self._stop_words if params.end_id != -1 else (),
         )
         # The server's own cap on a request's life, within the client's deadline if it set one.
         remaining = self.cfg.server.max_request_s

@@ -47,6 +47,9 @@ class GenerationInput:
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
+    # Token sequences that end generation (the model's other end tokens), sent as TensorRT-LLM's
+    # stop_words_list; their tokens are part of the output.
+    stop_words: tuple[tuple[int, ...], ...] = ()
     # Seconds the client still waits; the backend call is cut off then.
     timeout_s: float | None = None
 

@@ -65,7 +65,22 @@ def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferReq
         _tensor(request, "runtime_top_k", "INT32", np.asarray([[inp.top_k]], dtype="<i4"))
         _tensor(request, "runtime_top_p", "FP32", np.asarray([[top_p]], dtype="<f4"))
         _tensor(request, "random_seed", "UINT64", np.asarray([[inp.seed]], dtype="<u8"))
+    if inp.stop_words:
+        _tensor(request, "stop_words_list", "INT32", stop_words_list([inp]))
     return request
+
+
+def stop_words_list(rows: list[GenerationInput]) -> npt.NDArray[Any]:
+    """TensorRT-LLM's stop_words_list, [rows, 2, n]: each row's words' ids end to end, then
+    each word's end offset; both padded with -1 to the longest row."""
+    flat = [[t for word in r.stop_words for t in word] for r in rows]
+    ends = [list(np.cumsum([len(word) for word in r.stop_words])) for r in rows]
+    width = max(1, *(len(f) for f in flat))
+    out = np.full((len(rows), 2, width), -1, dtype="<i4")
+    for i, (ids, offsets) in enumerate(zip(flat, ends, strict=True)):
+        out[i, 0, : len(ids)] = ids
+        out[i, 1, : len(offsets)] = offsets
+    return out
 
 
 def build_batch_request(
@@ -95,6 +110,8 @@ def build_batch_request(
         top_p = [r.top_p if r.top_p > 0 or r.temperature == 0 else 1.0 for r in rows]
         _tensor(request, "runtime_top_p", "FP32", column(top_p, "<f4"))
         _tensor(request, "random_seed", "UINT64", column([r.seed for r in rows], "<u8"))
+    if any(r.stop_words for r in rows):
+        _tensor(request, "stop_words_list", "INT32", stop_words_list(rows))
     return request
 
 

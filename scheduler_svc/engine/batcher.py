@@ -169,6 +169,7 @@ class Batcher:
                 max_new_tokens=spec.max_new_tokens,
                 end_id=spec.end_id,
                 pad_id=spec.pad_id,
+                stop_words=spec.stop_words,
             )
             self._next_seq_id += 1
             request.rows.append(seq)
@@ -374,7 +375,13 @@ class Batcher:
             seq.finish = FinishReason.END_ID
             return Update(seq, (), row_finished=True)
         seq.generated.append(token)
-        if len(seq.generated) >= seq.max_new_tokens:
+        generated = seq.generated
+        if any(
+            len(word) <= len(generated) and tuple(generated[-len(word) :]) == word
+            for word in seq.stop_words
+        ):
+            seq.finish = FinishReason.STOP_WORDS
+        elif len(generated) >= seq.max_new_tokens:
             seq.finish = FinishReason.LENGTH
         return Update(seq, (token,), row_finished=seq.done)
 

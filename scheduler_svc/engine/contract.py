@@ -31,7 +31,10 @@ _EXPECTED_KINDS = {
     "runtime_top_k": "iu",
     "runtime_top_p": "f",
     "random_seed": "iu",
+    "stop_words_list": "iu",
 }
+MAX_STOP_WORDS = 64  # per row
+MAX_STOP_WORD_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
     end_ids = _per_row(tensors, "end_id", num_rows)
     pad_ids = _per_row(tensors, "pad_id", num_rows)
     vocab = cfg.model.vocab_size
+    stop_words = _stop_words(tensors, num_rows, vocab)
     rows: list[RowSpec] = []
     for r in range(num_rows):
         length, out_len = int(lengths[r]), int(out_lens[r])
@@ -114,13 +118,51 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
             raise InvalidRequestError(f"end_id: {end_id} is outside the vocabulary")
         if not 0 <= pad_id < vocab:
             raise InvalidRequestError(f"pad_id: {pad_id} is outside the vocabulary")
-        rows.append(RowSpec(tuple(int(t) for t in prompt), out_len, end_id, pad_id))
+        rows.append(RowSpec(tuple(int(t) for t in prompt), out_len, end_id, pad_id, stop_words[r]))
     return ParsedRequest(
         rows=rows,
         streaming=_first_bool(tensors, "streaming", num_rows),
         stop=False,
         sampling=_sampling(tensors, num_rows),
     )
+
+
+def _stop_words(tensors: Tensors, num_rows: int, vocab: int) -> list[tuple[tuple[int, ...], ...]]:
+    """TensorRT-LLM's `stop_words_list`, [rows, 2, n] (or [2, n] for one row): per row, the
+    words' token ids end to end, then each word's end offset, padded with -1."""
+    value = tensors.get("stop_words_list")
+    if value is None:
+        return [()] * num_rows
+    name = "stop_words_list"
+    if value.dtype.kind not in _EXPECTED_KINDS[name]:
+        raise InvalidRequestError(f"{name}: unexpected data type {value.dtype}")
+    array = np.asarray(value).astype(np.int64)
+    if array.ndim == 2:
+        array = array.reshape(1, *array.shape)
+    if array.ndim != 3 or array.shape[0] not in (1, num_rows) or array.shape[1] != 2:
+        raise InvalidRequestError(
+            f"{name}: expected shape [rows, 2, n] ({num_rows} rows), got {list(value.shape)}"
+        )
+    out: list[tuple[tuple[int, ...], ...]] = []
+    for r in range(array.shape[0]):
+        ids, offsets = array[r]
+        ends = [int(o) for o in offsets if o >= 0]
+        if len(ends) > MAX_STOP_WORDS:
+            raise InvalidRequestError(f"{name}: {len(ends)} words, at most {MAX_STOP_WORDS}")
+        words, start = [], 0
+        for end in ends:
+            if not start < end <= len(ids) or end - start > MAX_STOP_WORD_TOKENS:
+                raise InvalidRequestError(
+                    f"{name}: offsets must rise, each word 1..{MAX_STOP_WORD_TOKENS} tokens "
+                    f"within the {len(ids)} ids (row {r})"
+                )
+            word = tuple(int(t) for t in ids[start:end])
+            if any(not 0 <= t < vocab for t in word):
+                raise InvalidRequestError(f"{name}: row {r} holds a token outside the vocabulary")
+            words.append(word)
+            start = end
+        out.append(tuple(words))
+    return out * num_rows if len(out) == 1 else out
 
 
 def _first_bool(tensors: Tensors, name: str, num_rows: int) -> bool:

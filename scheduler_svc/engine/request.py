@@ -14,6 +14,7 @@ from enum import StrEnum
 class FinishReason(StrEnum):
     LENGTH = "length"
     END_ID = "end_id"
+    STOP_WORDS = "stop_words"
     STOPPED = "stopped"
     CANCELLED = "cancelled"
     FAILED = "failed"
@@ -41,6 +42,9 @@ class RowSpec:
     max_new_tokens: int
     end_id: int
     pad_id: int
+    # Token sequences that end the row once generated (TensorRT-LLM's stop_words_list); unlike
+    # end_id, the stop word's tokens are part of the output.
+    stop_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(eq=False)
@@ -54,6 +58,7 @@ class Sequence:
     max_new_tokens: int
     end_id: int
     pad_id: int
+    stop_words: tuple[tuple[int, ...], ...] = ()
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
     pad: int = 0

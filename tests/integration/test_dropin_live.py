@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,3 +109,24 @@ def test_the_sidecars_ensemble_contract_is_within_tritons_and_lists_end_and_pad_
     }
     result = grpcclient.InferenceServerClient(sidecar.url).infer("ensemble", make_inputs(tensors))
     assert result.as_numpy("text_output") is not None
+
+
+def test_the_models_other_end_tokens_end_generation_as_stop_words(
+    sidecar: SidecarProcess, triton: TritonServer, tmp_path: Path
+) -> None:
+    """`model.stop_token_ids` goes to the engine as TensorRT-LLM's stop_words_list: the real
+    engine ends the row on the token, which is output, and the answer finishes STOP."""
+    request = pb.GenerateRequest(prompt="The weather today", max_tokens=16)
+    free = [t for chunk in sidecar.scheduler().GenerateStream(request) for t in chunk.token_ids]
+    assert len(free) == 16
+    k = next(i for i in range(3, 16) if free[i] not in free[:i])  # its first occurrence
+    config = {"model": {"stop_token_ids": [free[k]]}}
+    stopping = SidecarProcess(triton.grpc_url, tmp_path, config).start()
+    try:
+        chunks = list(stopping.scheduler().GenerateStream(request))
+        ids = [t for chunk in chunks for t in chunk.token_ids]
+        assert ids == free[: k + 1]
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+        assert chunks[-1].usage.completion_tokens == k + 1
+    finally:
+        stopping.stop()

@@ -282,3 +282,18 @@ class BatcherMachine(RuleBasedStateMachine):
 
 TestBatcherMachine = BatcherMachine.TestCase
 TestBatcherMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_stop_words_end_a_row_with_the_word_emitted() -> None:
+    b = Batcher(cfg())
+    add(b, "probe", (5, 8))
+    seq = b.requests[0].rows[0]
+    run_to_end(b)
+    word = tuple(seq.generated[2:4])
+    b2 = Batcher(cfg())
+    specs = [RowSpec(tuple(range(1, 6)), 8, NO_END, 0, stop_words=((999_999,), word))]
+    b2.add("stop", specs, streaming=True, sampling=Sampling(), handle=None)
+    seq2 = b2.requests[0].rows[0]
+    run_to_end(b2)
+    assert seq2.generated == seq.generated[:4]  # the stop word's tokens are output
+    assert seq2.finish == FinishReason.STOP_WORDS

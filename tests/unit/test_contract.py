@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.backends.triton import stop_words_list
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.contract import parse_request
 from scheduler_svc.engine.errors import InvalidRequestError
@@ -81,3 +83,32 @@ def test_stop_request_needs_nothing_else() -> None:
 def test_bad_input_names_the_tensor(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=needle):
         parse_request(good(**changes), CFG)
+
+
+def test_stop_words_list_per_row_as_tensorrt_llm_lays_it_out() -> None:
+    rows = [
+        GenerationInput("a", (5, 6, 7), 10, 1, 2, stop_words=((40,), (41, 42))),
+        GenerationInput("b", (8, 9, 10, 11), 20, 1, 2, stop_words=((43,),)),
+    ]
+    tensor = stop_words_list(rows)
+    assert tensor.tolist() == [[[40, 41, 42], [1, 3, -1]], [[43, -1, -1], [1, -1, -1]]]
+    parsed = parse_request(good(stop_words_list=tensor), CFG)
+    assert [r.stop_words for r in parsed.rows] == [((40,), (41, 42)), ((43,),)]
+    one = parse_request(good(stop_words_list=tensor[:1]), CFG)  # one row's words for all
+    assert [r.stop_words for r in one.rows] == [((40,), (41, 42))] * 2
+    assert parse_request(good(), CFG).rows[0].stop_words == ()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "needle"),
+    [
+        (np.array([[[40, 41], [2, 1]]], dtype=np.int32), "offsets must rise"),
+        (np.array([[[40, 41], [3, -1]]], dtype=np.int32), "offsets must rise"),
+        (np.array([[[-5], [1]]], dtype=np.int32), "outside the vocabulary"),
+        (np.array([[40, 41, 42]], dtype=np.int32), "expected shape"),
+        (np.array([[[40.0], [1.0]]], dtype=np.float32), "unexpected data type"),
+    ],
+)
+def test_a_malformed_stop_words_list_is_refused(tensor: np.ndarray, needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"stop_words_list: .*{needle}"):
+        parse_request(good(stop_words_list=tensor), CFG)

@@ -80,7 +80,10 @@ def test_the_trtllm_engine_carries_the_source_documents_settings(rendered: Path)
     assert params["enable_chunked_context"] == "true"
     assert params["exclude_input_in_output"] == "true"
     assert params["gpt_model_type"] == "inflight_fused_batching"
-    assert 0 < int(params["max_queue_size"]) <= 4096
+    # TensorRT-LLM's backend reads the queue bound from the queue policy, not a parameter.
+    assert "max_queue_size" not in params
+    queue = config.dynamic_batching.default_queue_policy
+    assert 0 < queue.max_queue_size <= 4096 and queue.max_queue_size == values()["max_queue_size"]
     assert int(params["cancellation_check_period_ms"]) > 0
     assert params["gpt_model_path"] == values()["engine_dir"]
 
@@ -152,6 +155,13 @@ def test_the_sidecar_configs_load_and_agree_with_their_repositories() -> None:
         v["pad_id"],
     )
     assert gpu.queue.max_in_flight == v["max_batch_size"]
+    # The sidecar tokenizes as the repository's preprocessing does (BOS or not).
+    assert gpu.model.add_special_tokens is v["add_special_tokens"]
+    assert gpu.model.end_id not in gpu.model.stop_token_ids  # the others, not end_id again
+    preprocessing = parse(CPU_REPO / "preprocessing" / "config.pbtxt").parameters
+    assert cpu.model.add_special_tokens is (
+        preprocessing["add_special_tokens"].string_value == "true"
+    )
     engine = parse(CPU_REPO / "tensorrt_llm" / "config.pbtxt")
     assert cpu.queue.max_in_flight == int(engine.parameters["max_num_sequences"].string_value)
     for cfg in (gpu, cpu):  # the same fronts and metrics on both stacks
@@ -351,8 +361,15 @@ def test_scripts_pass_bash_n_and_shellcheck(script: str) -> None:
 def test_build_script_quantizes_awq_and_builds_paged_16_token_blocks() -> None:
     text = (DEPLOY / "build_engine.sh").read_text()
     assert "--qformat int4_awq" in text
-    for flag in ("--use_paged_context_fmha enable", "--tokens_per_block 16", "--max_num_tokens"):
+    for flag in (
+        "--kv_cache_type paged",  # not the deprecated --paged_kv_cache
+        "--use_paged_context_fmha enable",
+        "--tokens_per_block 16",
+        "--max_num_tokens",
+    ):
         assert flag in text
+    for script in ("build_engine.sh", "gpu_check.sh"):
+        assert "--paged_kv_cache" not in (DEPLOY / script).read_text()
     assert re.search(r'max_batch_size="\$\{MAX_BATCH_SIZE:-64\}"', text)
 
 
@@ -595,3 +612,27 @@ def test_the_pool_the_picker_and_the_route_point_at_what_exists() -> None:
     assert {i["name"]: f"{i['newName']}:{i['newTag']}" for i in images} == {
         "epp": versions()["EPP_IMAGE"]
     }
+
+
+# What tensorrtllm_backend 0.17.0 (deploy/versions.env) exports under these two metrics' labels.
+TRTLLM_017_LABELS = {
+    "kv_cache_block_type": {"used", "free", "max", "tokens_per"},
+    "request_type": {"active", "max", "scheduled", "context"},
+}
+
+
+def test_alerts_and_dashboard_use_only_labels_the_pinned_trtllm_exports() -> None:
+    assert versions()["TRTLLM_VERSION"] == "0.17.0"
+    texts = {
+        "alerts": (DEPLOY / "prometheus" / "alerts.yml").read_text(),
+        "dashboard": json.dumps(
+            json.loads((DEPLOY / "grafana" / "dashboards" / "scheduler-svc.json").read_text())
+        ).replace('\\"', '"'),
+    }
+    seen = 0
+    for where, text in texts.items():
+        for label, exported in TRTLLM_017_LABELS.items():
+            for values in re.findall(label + r'=~?"([^"]+)"', text):
+                assert set(values.split("|")) <= exported, (where, label, values)
+                seen += 1
+    assert seen >= 4

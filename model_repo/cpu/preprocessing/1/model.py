@@ -27,6 +27,12 @@ class TritonPythonModel:
         # The model's own end and pad ids (a client may still send its own per request).
         self.end_id = int(params.get("end_id", {}).get("string_value", DEEPSEEK_V4_END_ID))
         self.pad_id = int(params.get("pad_id", {}).get("string_value", DEEPSEEK_V4_PAD_ID))
+        # Special tokens (BOS) as TensorRT-LLM's preprocessing adds them by default.
+        special = params.get("add_special_tokens", {}).get("string_value", "true")
+        self.add_special_tokens = special.lower() == "true"
+        # Special tokens (BOS) as TensorRT-LLM's preprocessing adds them by default.
+        special = params.get("add_special_tokens", {}).get("string_value", "true")
+        self.add_special_tokens = special.lower() == "true"
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._one(request) for request in requests]
@@ -35,7 +41,8 @@ class TritonPythonModel:
         queries = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy().reshape(-1)
         rows = len(queries)
         texts = [q.decode("utf-8") if isinstance(q, bytes) else str(q) for q in queries]
-        encoded = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        special = self.add_special_tokens
+        encoded = [self.tokenizer.encode(text, add_special_tokens=special).ids for text in texts]
         if any(not ids for ids in encoded):
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(
