@@ -50,6 +50,8 @@ log = structlog.get_logger("scheduler_svc.requests")
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_WORDS = 64  # stop or bad words per request (the engine's own bound)
+MAX_WORD_TOKENS = 64
 MAX_REQUEST_ID_CHARS = 256
 MAX_TENANT_CHARS = auth.MAX_TENANT_CHARS
 # Prompts are tokenized on these threads (the tokenizer lets go of the GIL there), so a long
@@ -88,6 +90,15 @@ class GenerationParams:
     end_id: int | None = None
     pad_id: int | None = None
     stop: tuple[str, ...] = ()
+    # TensorRT-LLM's word lists, as text: tokenized here (as the ensemble's preprocessing does)
+    # and sent to the engine. Stop words end generation and are part of the output; bad words
+    # are never generated.
+    stop_words: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    min_length: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     urgency: Urgency = Urgency.STANDARD
     tenant: str = ""
     queue_timeout_s: float | None = None
@@ -142,6 +153,17 @@ class GenerationService:
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    def _encode_words(self, words: tuple[str, ...], name: str) -> tuple[tuple[int, ...], ...]:
+        """Words as token ids, as the ensemble's preprocessing tokenizes them (no special
+        tokens); a word the tokenizer makes nothing of is dropped."""
+        if not words:
+            return ()
+        encoded = self.tokenizer.encode_batch(list(words), add_special_tokens=False)
+        out = tuple(tuple(e.ids) for e in encoded if e.ids)
+        if any(len(w) > MAX_WORD_TOKENS for w in out):
+            raise BadRequestError(f"{name}: each word at most {MAX_WORD_TOKENS} tokens")
+        return out
 
     def _encode(self, text: str) -> tuple[int, ...]:
         # encode_batch releases the GIL while it works; encode does not.
@@ -210,6 +232,22 @@ class GenerationService:
             raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
             raise BadRequestError(f"stop: each string needs 1..{MAX_STOP_CHARS} characters")
+        for name in ("stop_words", "bad_words"):
+            words = getattr(params, name)
+            if len(words) > MAX_WORDS:
+                raise BadRequestError(f"{name}: {len(words)} words, at most {MAX_WORDS}")
+            if any(len(w) > MAX_STOP_CHARS for w in words):
+                raise BadRequestError(f"{name}: each word needs 1..{MAX_STOP_CHARS} characters")
+        if not 0 <= params.min_length <= max_tokens:
+            raise BadRequestError(
+                f"min_length: {params.min_length}, allowed 0..{max_tokens} (max_tokens)"
+            )
+        penalty = params.repetition_penalty
+        if not (math.isfinite(penalty) and penalty > 0):
+            raise BadRequestError(f"repetition_penalty: {penalty} is not a positive number")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(params, name)):
+                raise BadRequestError(f"{name}: {getattr(params, name)} is not finite")
         if params.end_id is not None and not -1 <= params.end_id < self.vocab_size:
             raise BadRequestError(f"end_id: {params.end_id} is outside -1..{self.vocab_size - 1}")
         if params.pad_id is not None and not 0 <= params.pad_id < self.vocab_size:
@@ -244,11 +282,15 @@ class GenerationService:
         if not self.backend_ready:
             raise BackendUnavailableError("the backend is not ready; retry shortly")
         prompt = await self._prompt_ids(params)
+        words = (
+            self._encode_words(params.stop_words, "stop_words"),
+            self._encode_words(params.bad_words, "bad_words"),
+        )
         run.prompt_tokens = len(prompt)
         self._refuse_by_quota(tenant, len(prompt) + max_tokens)
         try:
             async with contextlib.aclosing(
-                self._generate(params, run, tenant, prompt, max_tokens)
+                self._generate(params, run, tenant, prompt, words, max_tokens)
             ) as events:
                 async for event in events:
                     yield event
@@ -261,6 +303,7 @@ class GenerationService:
         run: _Run,
         tenant: str,
         prompt: tuple[int, ...],
+        words: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]],
         max_tokens: int,
     ) -> AsyncGenerator[Delta | Final, None]:
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
@@ -286,7 +329,12 @@ class GenerationService:
             top_k=params.top_k,
             top_p=params.top_p,
             seed=params.seed,
-            stop_words=self._stop_words if params.end_id != -1 else (),
+            stop_words=(self._stop_words if params.end_id != -1 else ()) + words[0],
+            bad_words=words[1],
+            min_length=params.min_length,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
         )
         # The server's own cap on a request's life, within the client's deadline if it set one.
         remaining = self.cfg.server.max_request_s

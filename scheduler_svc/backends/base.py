@@ -50,6 +50,13 @@ class GenerationInput:
     # Token sequences that end generation (the model's other end tokens), sent as TensorRT-LLM's
     # stop_words_list; their tokens are part of the output.
     stop_words: tuple[tuple[int, ...], ...] = ()
+    # Token sequences never to generate (bad_words_list), the fewest tokens before the end
+    # token may end it, and TensorRT-LLM's penalties.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    min_length: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # Seconds the client still waits; the backend call is cut off then.
     timeout_s: float | None = None
 

@@ -24,6 +24,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
 from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.config import TritonConfig, TritonTls
+from scheduler_svc.engine.contract import word_lists
 from scheduler_svc.errors import (
     BackendFailedError,
     ConfigError,
@@ -65,22 +66,25 @@ def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferReq
         _tensor(request, "runtime_top_k", "INT32", np.asarray([[inp.top_k]], dtype="<i4"))
         _tensor(request, "runtime_top_p", "FP32", np.asarray([[top_p]], dtype="<f4"))
         _tensor(request, "random_seed", "UINT64", np.asarray([[inp.seed]], dtype="<u8"))
-    if inp.stop_words:
-        _tensor(request, "stop_words_list", "INT32", stop_words_list([inp]))
+    _word_tensors(request, [inp])
     return request
 
 
-def stop_words_list(rows: list[GenerationInput]) -> npt.NDArray[Any]:
-    """TensorRT-LLM's stop_words_list, [rows, 2, n]: each row's words' ids end to end, then
-    each word's end offset; both padded with -1 to the longest row."""
-    flat = [[t for word in r.stop_words for t in word] for r in rows]
-    ends = [list(np.cumsum([len(word) for word in r.stop_words])) for r in rows]
-    width = max(1, *(len(f) for f in flat))
-    out = np.full((len(rows), 2, width), -1, dtype="<i4")
-    for i, (ids, offsets) in enumerate(zip(flat, ends, strict=True)):
-        out[i, 0, : len(ids)] = ids
-        out[i, 1, : len(offsets)] = offsets
-    return out
+def _word_tensors(request: service_pb2.ModelInferRequest, rows: list[GenerationInput]) -> None:
+    """stop_words_list and bad_words_list, when any row has words; min_length and the
+    penalties, when any row sets one."""
+    column = np.asarray
+    if any(r.min_length for r in rows):
+        _tensor(request, "min_length", "INT32", column([[r.min_length] for r in rows], "<i4"))
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        default = 1.0 if name == "repetition_penalty" else 0.0
+        if any(getattr(r, name) != default for r in rows):
+            values = column([[getattr(r, name)] for r in rows], "<f4")
+            _tensor(request, name, "FP32", values)
+    if any(r.stop_words for r in rows):
+        _tensor(request, "stop_words_list", "INT32", word_lists([r.stop_words for r in rows]))
+    if any(r.bad_words for r in rows):
+        _tensor(request, "bad_words_list", "INT32", word_lists([r.bad_words for r in rows]))
 
 
 def build_batch_request(
@@ -110,8 +114,7 @@ def build_batch_request(
         top_p = [r.top_p if r.top_p > 0 or r.temperature == 0 else 1.0 for r in rows]
         _tensor(request, "runtime_top_p", "FP32", column(top_p, "<f4"))
         _tensor(request, "random_seed", "UINT64", column([r.seed for r in rows], "<u8"))
-    if any(r.stop_words for r in rows):
-        _tensor(request, "stop_words_list", "INT32", stop_words_list(rows))
+    _word_tensors(request, rows)
     return request
 
 

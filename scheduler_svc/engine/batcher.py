@@ -170,6 +170,9 @@ class Batcher:
                 end_id=spec.end_id,
                 pad_id=spec.pad_id,
                 stop_words=spec.stop_words,
+                bad_words=spec.bad_words,
+                min_length=spec.min_length,
+                sampling=spec.sampling or sampling,
             )
             self._next_seq_id += 1
             request.rows.append(seq)
@@ -376,7 +379,7 @@ class Batcher:
             return Update(seq, (), row_finished=True)
         seq.generated.append(token)
         generated = seq.generated
-        if any(
+        if len(generated) >= seq.min_length and any(
             len(word) <= len(generated) and tuple(generated[-len(word) :]) == word
             for word in seq.stop_words
         ):

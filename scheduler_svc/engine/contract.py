@@ -32,6 +32,23 @@ _EXPECTED_KINDS = {
     "runtime_top_p": "f",
     "random_seed": "iu",
     "stop_words_list": "iu",
+    "bad_words_list": "iu",
+    "min_length": "iu",
+    "repetition_penalty": "fiu",
+    "presence_penalty": "fiu",
+    "frequency_penalty": "fiu",
+    "len_penalty": "fiu",
+    "beam_width": "iu",
+    "return_log_probs": "b",
+    "return_context_logits": "b",
+    "return_generation_logits": "b",
+    "exclude_input_in_output": "b",
+}
+# What this engine cannot do, refused by name when a request asks for it.
+_NOT_PRODUCED = {
+    "return_log_probs": "log probabilities are not produced by this engine",
+    "return_context_logits": "context logits are not produced by this engine",
+    "return_generation_logits": "generation logits are not produced by this engine",
 }
 MAX_STOP_WORDS = 64  # per row
 MAX_STOP_WORD_TOKENS = 64
@@ -90,7 +107,11 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
     end_ids = _per_row(tensors, "end_id", num_rows)
     pad_ids = _per_row(tensors, "pad_id", num_rows)
     vocab = cfg.model.vocab_size
-    stop_words = _stop_words(tensors, num_rows, vocab)
+    stop_words = _word_lists(tensors, "stop_words_list", num_rows, vocab)
+    bad_words = _word_lists(tensors, "bad_words_list", num_rows, vocab)
+    min_lengths = _per_row(tensors, "min_length", num_rows)
+    samplings = _samplings(tensors, num_rows)
+    _refuse_what_cannot_be_done(tensors, num_rows)
     rows: list[RowSpec] = []
     for r in range(num_rows):
         length, out_len = int(lengths[r]), int(out_lens[r])
@@ -118,22 +139,75 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
             raise InvalidRequestError(f"end_id: {end_id} is outside the vocabulary")
         if not 0 <= pad_id < vocab:
             raise InvalidRequestError(f"pad_id: {pad_id} is outside the vocabulary")
-        rows.append(RowSpec(tuple(int(t) for t in prompt), out_len, end_id, pad_id, stop_words[r]))
+        min_length = int(min_lengths[r]) if min_lengths is not None else 0
+        if not 0 <= min_length <= out_len:
+            raise InvalidRequestError(
+                f"min_length: row {r} asks for {min_length}, allowed 0..{out_len} "
+                "(its request_output_len)"
+            )
+        rows.append(
+            RowSpec(
+                tuple(int(t) for t in prompt),
+                out_len,
+                end_id,
+                pad_id,
+                stop_words=stop_words[r],
+                bad_words=bad_words[r],
+                min_length=min_length,
+                sampling=samplings[r],
+            )
+        )
     return ParsedRequest(
         rows=rows,
         streaming=_first_bool(tensors, "streaming", num_rows),
         stop=False,
-        sampling=_sampling(tensors, num_rows),
+        sampling=samplings[0],
     )
 
 
-def _stop_words(tensors: Tensors, num_rows: int, vocab: int) -> list[tuple[tuple[int, ...], ...]]:
-    """TensorRT-LLM's `stop_words_list`, [rows, 2, n] (or [2, n] for one row): per row, the
-    words' token ids end to end, then each word's end offset, padded with -1."""
-    value = tensors.get("stop_words_list")
+def word_lists(rows: list[tuple[tuple[int, ...], ...]]) -> npt.NDArray[np.int32]:
+    """The `stop_words_list` / `bad_words_list` layout, [rows, 2, n]: each row's words' ids
+    end to end, then each word's end offset; both padded with -1 to the longest row."""
+    flat = [[t for word in words for t in word] for words in rows]
+    width = max(1, *(len(f) for f in flat))
+    out = np.full((len(rows), 2, width), -1, dtype=np.int32)
+    for i, words in enumerate(rows):
+        out[i, 0, : len(flat[i])] = flat[i]
+        end = 0
+        for j, word in enumerate(words):
+            end += len(word)
+            out[i, 1, j] = end
+    return out
+
+
+def _refuse_what_cannot_be_done(tensors: Tensors, num_rows: int) -> None:
+    beams = _per_row(tensors, "beam_width", num_rows)
+    if beams is not None and any(int(b) != 1 for b in beams):
+        raise InvalidRequestError(
+            f"beam_width: {int(max(beams))}; this engine decodes one beam (beam_width 1)"
+        )
+    for name, why in _NOT_PRODUCED.items():
+        flags = _per_row(tensors, name, num_rows)
+        if flags is not None and bool(np.any(flags)):
+            raise InvalidRequestError(f"{name}: {why}")
+    exclude = _per_row(tensors, "exclude_input_in_output", num_rows)
+    if exclude is not None and not bool(np.all(exclude)):
+        raise InvalidRequestError(
+            "exclude_input_in_output: false is not supported; this engine returns the "
+            "generated tokens only"
+        )
+    # len_penalty only ranks beams; with one beam it changes nothing, so any value is accepted.
+    _per_row(tensors, "len_penalty", num_rows)
+
+
+def _word_lists(
+    tensors: Tensors, name: str, num_rows: int, vocab: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """TensorRT-LLM's `stop_words_list` / `bad_words_list`, [rows, 2, n] (or [2, n] for one
+    row): per row, the words' token ids end to end, then each word's end offset, padded -1."""
+    value = tensors.get(name)
     if value is None:
         return [()] * num_rows
-    name = "stop_words_list"
     if value.dtype.kind not in _EXPECTED_KINDS[name]:
         raise InvalidRequestError(f"{name}: unexpected data type {value.dtype}")
     array = np.asarray(value).astype(np.int64)
@@ -170,21 +244,46 @@ def _first_bool(tensors: Tensors, name: str, num_rows: int) -> bool:
     return bool(values[0]) if values is not None else False
 
 
-def _sampling(tensors: Tensors, num_rows: int) -> Sampling:
-    temperature = _per_row(tensors, "temperature", num_rows)
-    top_k = _per_row(tensors, "runtime_top_k", num_rows)
-    top_p = _per_row(tensors, "runtime_top_p", num_rows)
-    seed = _per_row(tensors, "random_seed", num_rows)
-    sampling = Sampling(
-        temperature=float(temperature[0]) if temperature is not None else 1.0,
-        top_k=int(top_k[0]) if top_k is not None else 0,
-        top_p=float(top_p[0]) if top_p is not None else 0.0,
-        seed=int(seed[0]) if seed is not None else 0,
+def _samplings(tensors: Tensors, num_rows: int) -> list[Sampling]:
+    """Each row's sampling and penalties (a request's rows may differ, as TensorRT-LLM's)."""
+    names = (
+        "temperature",
+        "runtime_top_k",
+        "runtime_top_p",
+        "random_seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
     )
-    if sampling.temperature < 0:
-        raise InvalidRequestError(f"temperature: {sampling.temperature} is negative")
-    if sampling.top_k < 0:
-        raise InvalidRequestError(f"runtime_top_k: {sampling.top_k} is negative")
-    if not 0.0 <= sampling.top_p <= 1.0:
-        raise InvalidRequestError(f"runtime_top_p: {sampling.top_p} is outside 0..1")
-    return sampling
+    columns = {name: _per_row(tensors, name, num_rows) for name in names}
+
+    def value(name: str, r: int, default: float) -> float:
+        column = columns[name]
+        return float(column[r]) if column is not None else default
+
+    out = []
+    for r in range(num_rows):
+        seeds = columns["random_seed"]
+        sampling = Sampling(
+            temperature=value("temperature", r, 1.0),
+            top_k=int(value("runtime_top_k", r, 0)),
+            top_p=value("runtime_top_p", r, 0.0),
+            seed=int(seeds[r]) if seeds is not None else 0,
+            repetition_penalty=value("repetition_penalty", r, 1.0),
+            presence_penalty=value("presence_penalty", r, 0.0),
+            frequency_penalty=value("frequency_penalty", r, 0.0),
+        )
+        if sampling.temperature < 0:
+            raise InvalidRequestError(f"temperature: {sampling.temperature} is negative")
+        if sampling.top_k < 0:
+            raise InvalidRequestError(f"runtime_top_k: {sampling.top_k} is negative")
+        if not 0.0 <= sampling.top_p <= 1.0:
+            raise InvalidRequestError(f"runtime_top_p: {sampling.top_p} is outside 0..1")
+        penalty = sampling.repetition_penalty
+        if not (np.isfinite(penalty) and penalty > 0):
+            raise InvalidRequestError(f"repetition_penalty: {penalty} is not a positive number")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(sampling, name)):
+                raise InvalidRequestError(f"{name}: {getattr(sampling, name)} is not finite")
+        out.append(sampling)
+    return out

@@ -28,10 +28,24 @@ class Sampling:
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
+    # Penalties with TensorRT-LLM's meaning: repetition divides a positive logit (multiplies a
+    # negative one) of every token seen, prompt included; presence and frequency subtract from
+    # the logits of tokens generated so far, once and per occurrence.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1 or (self.top_k == 0 and self.top_p == 0)
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,13 @@ class RowSpec:
     # Token sequences that end the row once generated (TensorRT-LLM's stop_words_list); unlike
     # end_id, the stop word's tokens are part of the output.
     stop_words: tuple[tuple[int, ...], ...] = ()
+    # Token sequences never generated (bad_words_list): a word's last token is banned where the
+    # output already ends with the rest of it.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # The end token (and stop words) cannot end the row before this many tokens.
+    min_length: int = 0
+    # This row's sampling; None: the request's.
+    sampling: Sampling | None = None
 
 
 @dataclass(eq=False)
@@ -59,6 +80,9 @@ class Sequence:
     end_id: int
     pad_id: int
     stop_words: tuple[tuple[int, ...], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    min_length: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
     pad: int = 0
@@ -68,6 +92,22 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    def banned(self) -> list[int]:
+        """Tokens this row may not generate next: bad words' last tokens where the output ends
+        with the rest of the word, and the end token while under min_length."""
+        out = []
+        generated = self.generated
+        for word in self.bad_words:
+            head = word[:-1]
+            if (
+                len(head) <= len(generated)
+                and tuple(generated[len(generated) - len(head) :]) == head
+            ):
+                out.append(word[-1])
+        if len(generated) < self.min_length and self.end_id >= 0:
+            out.append(self.end_id)
+        return out
 
 
 @dataclass(eq=False)

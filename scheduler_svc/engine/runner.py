@@ -22,9 +22,31 @@ from transformers.modeling_utils import AttentionInterface
 
 from scheduler_svc.engine.batcher import Work
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.request import Sampling
+from scheduler_svc.engine.request import Sampling, Sequence
 
 ATTN_NAME = "scheduler_svc_paged"
+
+
+def _processed(logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
+    """The row's logits after its penalties and bans; None when it has none."""
+    sampling = seq.sampling
+    banned = seq.banned()
+    if not sampling.penalized and not banned:
+        return None
+    out = logits.clone()
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*seq.prompt, *seq.generated}), dtype=torch.long)
+        values = out[seen]
+        penalty = sampling.repetition_penalty
+        out[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if seq.generated and (sampling.presence_penalty or sampling.frequency_penalty):
+        ids, counts = torch.unique(
+            torch.tensor(seq.generated, dtype=torch.long), return_counts=True
+        )
+        out[ids] -= sampling.presence_penalty + sampling.frequency_penalty * counts.float()
+    if banned:
+        out[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    return out
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -184,11 +206,17 @@ class ModelRunner:
             return []
         logits = self.model.lm_head(hidden[torch.tensor(last_index)])
         emitting = [w for w in works if w.emits]
-        chosen = logits.argmax(dim=-1).tolist()  # greedy rows, all in one call
+        chosen = logits.argmax(dim=-1).tolist()  # plain greedy rows, all in one call
         for i, work in enumerate(emitting):
-            sampling = work.seq.request.sampling
-            if not sampling.greedy:
-                chosen[i] = self._sample(logits[i], sampling, len(work.seq.generated))
+            seq = work.seq
+            sampling = seq.sampling
+            row = _processed(logits[i], seq)
+            if sampling.greedy:
+                if row is not None:
+                    chosen[i] = int(row.argmax().item())
+            else:
+                row = logits[i] if row is None else row
+                chosen[i] = self._sample(row, sampling, len(seq.generated))
         return [int(token) for token in chosen]
 
     def _segment(

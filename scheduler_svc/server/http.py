@@ -405,7 +405,11 @@ class HttpFront:
                 "versions": ["1"],
                 "platform": "ensemble",
                 "inputs": [
-                    {"name": name, "datatype": spec.datatype, "shape": [-1, 1]}
+                    {
+                        "name": name,
+                        "datatype": spec.datatype,
+                        "shape": [-1, -1 if spec.words else 1],
+                    }
                     for name, spec in INPUTS.items()
                 ],
                 "outputs": [{"name": OUTPUT, "datatype": "BYTES", "shape": [-1, -1]}],
@@ -474,6 +478,13 @@ def _generate_inputs(
                     f"parameters: {clip(sorted(unknown)[0])} is not a parameter this server "
                     "honours (priority, timeout)"
                 )
+            continue
+        spec = INPUTS.get(name)
+        if spec is not None and spec.words:  # a word or a list of words
+            words = raw if isinstance(raw, list) else [raw]
+            if not all(isinstance(w, str) for w in words):
+                raise BadRequestError(f"{name}: expected a word or a list of words (text)")
+            values[name] = words
             continue
         value = raw[0] if isinstance(raw, list) and len(raw) == 1 else raw
         if name == "accumulate_tokens":

@@ -49,6 +49,7 @@ class _Spec:
     datatype: str
     config_type: int
     optional: bool
+    words: bool = False  # a list of words per request ([1, n]), not one value
 
 
 INPUTS: dict[str, _Spec] = {
@@ -61,6 +62,24 @@ INPUTS: dict[str, _Spec] = {
     "random_seed": _Spec("UINT64", mc.TYPE_UINT64, True),
     "end_id": _Spec("INT32", mc.TYPE_INT32, True),
     "pad_id": _Spec("INT32", mc.TYPE_INT32, True),
+    "bad_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
+    "stop_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
+    "length_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "repetition_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "min_length": _Spec("INT32", mc.TYPE_INT32, True),
+    "presence_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "frequency_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "beam_width": _Spec("INT32", mc.TYPE_INT32, True),
+    "return_log_probs": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "return_context_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "return_generation_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "exclude_input_in_output": _Spec("BOOL", mc.TYPE_BOOL, True),
+}
+# What the engine cannot produce: refused by name, as the engine itself refuses it.
+_NOT_PRODUCED = {
+    "return_log_probs": "log probabilities are not produced by this engine",
+    "return_context_logits": "context logits are not produced by this engine",
+    "return_generation_logits": "generation logits are not produced by this engine",
 }
 OUTPUT = "text_output"
 _NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
@@ -148,6 +167,14 @@ def parse_infer_request(
                 f"{spec.datatype}"
             )
         items = _values(request, index, tensor)
+        if spec.words:
+            if len(tensor.shape) != 2 or tensor.shape[0] != 1:
+                raise BadRequestError(
+                    f"input '{tensor.name}' has shape {list(tensor.shape)}: one request's "
+                    "words, shape [1, n]"
+                )
+            values[tensor.name] = items
+            continue
         if len(items) != 1 or any(d != 1 for d in tensor.shape):
             raise BadRequestError(
                 f"input '{tensor.name}' has shape {list(tensor.shape)}: the sidecar takes one "
@@ -189,20 +216,62 @@ def params_from_inputs(
             ) from None
     if timeout_us is not None and timeout_us < 0:
         raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
+    beams = values.get("beam_width", 1)
+    if beams != 1:
+        raise BadRequestError(f"beam_width: {beams}; this engine decodes one beam (beam_width 1)")
+    for name, why in _NOT_PRODUCED.items():
+        if values.get(name, False):
+            raise BadRequestError(f"{name}: {why}")
+    if not values.get("exclude_input_in_output", True):
+        raise BadRequestError(
+            "exclude_input_in_output: false is not supported; this engine returns the "
+            "generated tokens only"
+        )
+    # length_penalty only ranks beams: with one beam it changes nothing, so it is accepted.
+
+    def number(name: str, default: float) -> float:
+        return float(values.get(name, default))  # type: ignore[arg-type]
+
     return GenerationParams(
         request_id=request_id,
         prompt=text,
         max_tokens=int(values["max_tokens"]),  # type: ignore[call-overload]
-        temperature=float(values.get("temperature", 0.0)),  # type: ignore[arg-type]
+        temperature=number("temperature", 0.0),
         top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
-        top_p=float(values.get("top_p", 0.0)),  # type: ignore[arg-type]
+        top_p=number("top_p", 0.0),
         seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
         end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
         pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
+        stop_words=_words(values.get("stop_words"), "stop_words"),
+        bad_words=_words(values.get("bad_words"), "bad_words"),
+        min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
+        repetition_penalty=number("repetition_penalty", 1.0),
+        presence_penalty=number("presence_penalty", 0.0),
+        frequency_penalty=number("frequency_penalty", 0.0),
         urgency=triton_urgency(priority),
         queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
         time_remaining_s=time_remaining_s,
     )
+
+
+def _words(value: object, name: str) -> tuple[str, ...]:
+    """A words input as text: each element one word (empty ones dropped)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for item in items:
+        word = item
+        if isinstance(item, bytes):
+            try:
+                word = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequestError(f"{name}: a word is not valid UTF-8") from None
+        if not isinstance(word, str):
+            raise BadRequestError(f"{name}: expected text, got {clip(repr(word))}")
+        if word:
+            out.append(word)
+    return tuple(out)
 
 
 def _response(
@@ -301,7 +370,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             return await self._through("ModelMetadata", request)
         meta = kv.ModelMetadataResponse(name=self.model, versions=["1"], platform="ensemble")
         for name, spec in INPUTS.items():
-            meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, 1])
+            meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, -1 if spec.words else 1])
         meta.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1, -1])
         return meta
 
@@ -313,7 +382,10 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=1)
         for name, spec in INPUTS.items():
             config.input.add(
-                name=name, data_type=spec.config_type, dims=[1], optional=spec.optional
+                name=name,
+                data_type=spec.config_type,
+                dims=[-1 if spec.words else 1],
+                optional=spec.optional,
             )
         config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
         config.model_transaction_policy.decoupled = True

@@ -13,9 +13,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
+from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.sidecar import SidecarProcess
-from tests.integration.tritonio import make_inputs, text_request
+from tests.integration.tritonio import infer, make_inputs, text_request
 
 
 def test_metadata_statistics_and_the_repository_pass_through_to_triton(
@@ -130,3 +131,76 @@ def test_the_models_other_end_tokens_end_generation_as_stop_words(
         assert chunks[-1].usage.completion_tokens == k + 1
     finally:
         stopping.stop()
+
+
+def _text(url: str, tensors: dict[str, np.ndarray]) -> tuple[str | None, str | None]:
+    """The ensemble's whole text from one request on a stream (Triton serves the decoupled
+    ensemble there only), or its error."""
+    answer = infer(url, "ensemble", tensors)
+    if answer.error is not None:
+        return None, answer.error
+    return "".join(
+        t.decode() for out in answer.outputs for t in out["text_output"].reshape(-1)
+    ), None
+
+
+def test_the_full_ensemble_contract_answers_as_triton_does(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    """Stop and bad words, min_length and the penalties reach the engine through Triton's own
+    ensemble and through the sidecar alike: the same text from both, and each input changes
+    the answer. What the engine cannot do (beams, log probs) both refuse, naming the input."""
+    prompt = "The weather today"
+    tokenizer = load_tokenizer()
+    request = pb.GenerateRequest(prompt=prompt, max_tokens=12)
+    ids = [t for chunk in sidecar.scheduler().GenerateStream(request) for t in chunk.token_ids]
+
+    def word_at(k: int) -> str:  # a generated token that is a word of its own
+        for i in range(k, len(ids)):
+            word = tokenizer.decode([ids[i]])
+            whole = tokenizer.encode(word, add_special_tokens=False).ids == [ids[i]]
+            if whole and ids[i] not in ids[:i]:
+                return word
+        raise AssertionError("no generated token round-trips as a word")
+
+    base = text_request(prompt, 12)
+    free, _ = _text(triton.grpc_url, base)
+    words = np.array([[word_at(3)]], dtype=np.object_)
+    cases = {
+        "stop_words": {"stop_words": words},
+        "bad_words": {"bad_words": np.array([[word_at(0), word_at(4)]], dtype=np.object_)},
+        "penalties": {
+            "repetition_penalty": np.array([[1.8]], dtype=np.float32),
+            "presence_penalty": np.array([[0.7]], dtype=np.float32),
+            "frequency_penalty": np.array([[0.4]], dtype=np.float32),
+        },
+        "min_length and end_id": {
+            "end_id": np.array([[ids[2]]], dtype=np.int32),
+            "min_length": np.array([[6]], dtype=np.int32),
+        },
+        "accepted, no effect": {
+            "length_penalty": np.array([[0.5]], dtype=np.float32),
+            "beam_width": np.array([[1]], dtype=np.int32),
+            "exclude_input_in_output": np.array([[True]]),
+        },
+    }
+    for name, extra in cases.items():
+        theirs, error = _text(triton.grpc_url, {**base, **extra})
+        assert error is None, (name, error)
+        ours, error = _text(sidecar.url, {**base, **extra})
+        assert error is None, (name, error)
+        assert ours == theirs, name
+        assert (ours == free) is (name == "accepted, no effect"), name
+    stopped, _ = _text(sidecar.url, {**base, "stop_words": words})
+    assert stopped is not None and free is not None
+    assert stopped.endswith(str(words[0, 0])) and free.startswith(stopped)
+    refused = {
+        "beam_width": np.array([[2]], dtype=np.int32),
+        "return_log_probs": np.array([[True]]),
+        "return_generation_logits": np.array([[True]]),
+    }
+    for name, value in refused.items():
+        _, theirs = _text(triton.grpc_url, {**base, name: value})
+        _, ours = _text(sidecar.url, {**base, name: value})
+        assert theirs is not None and name in theirs, theirs
+        assert ours is not None and "[INVALID_ARGUMENT]" in ours and name in ours, ours

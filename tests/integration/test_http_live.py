@@ -122,6 +122,18 @@ def test_triton_generate_and_generate_stream(sidecar: SidecarProcess) -> None:
     assert httpx.get(f"{sidecar.http_url}/v2/health/ready").status_code == 200
     assert httpx.get(f"{base}/ready").status_code == 200
     assert httpx.get(f"{base}/versions/2/ready").status_code == 404
+    # A gateway's objective header chooses the lane (sheddable: batch, pinned to cold), and
+    # wins over the body's priority; an unknown objective is refused, naming the known ones.
+    sheddable = {"x-llm-d-inference-objective": "sheddable", "x-request-id": "gateway-batch"}
+    assert httpx.post(f"{base}/generate", json=body, headers=sheddable).status_code == 200
+    ends = sidecar.wait_for_events(
+        "request end", lambda ends: any(e["request_id"] == "gateway-batch" for e in ends)
+    )
+    assert [e["lane"] for e in ends if e["request_id"] == "gateway-batch"] == ["cold"]
+    unknown = httpx.post(
+        f"{base}/generate", json=body, headers={"x-llm-d-inference-objective": "vip"}
+    )
+    assert unknown.status_code == 400 and "critical" in unknown.json()["error"]
     meta = httpx.get(base).json()
     assert {i["name"] for i in meta["inputs"]} >= {"text_input", "max_tokens", "stream"}
 

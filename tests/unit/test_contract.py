@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from scheduler_svc.backends.base import GenerationInput
-from scheduler_svc.backends.triton import stop_words_list
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.contract import parse_request
+from scheduler_svc.engine.contract import parse_request, word_lists
 from scheduler_svc.engine.errors import InvalidRequestError
 
 CFG = EngineConfig(max_output_len=100)
@@ -90,7 +89,7 @@ def test_stop_words_list_per_row_as_tensorrt_llm_lays_it_out() -> None:
         GenerationInput("a", (5, 6, 7), 10, 1, 2, stop_words=((40,), (41, 42))),
         GenerationInput("b", (8, 9, 10, 11), 20, 1, 2, stop_words=((43,),)),
     ]
-    tensor = stop_words_list(rows)
+    tensor = word_lists([r.stop_words for r in rows])
     assert tensor.tolist() == [[[40, 41, 42], [1, 3, -1]], [[43, -1, -1], [1, -1, -1]]]
     parsed = parse_request(good(stop_words_list=tensor), CFG)
     assert [r.stop_words for r in parsed.rows] == [((40,), (41, 42)), ((43,),)]
@@ -112,3 +111,51 @@ def test_stop_words_list_per_row_as_tensorrt_llm_lays_it_out() -> None:
 def test_a_malformed_stop_words_list_is_refused(tensor: np.ndarray, needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=f"stop_words_list: .*{needle}"):
         parse_request(good(stop_words_list=tensor), CFG)
+
+
+def test_penalties_bad_words_and_min_length_per_row() -> None:
+    parsed = parse_request(
+        good(
+            repetition_penalty=np.array([[1.3], [1.0]], dtype=np.float32),
+            presence_penalty=np.array([[0.5], [0.0]], dtype=np.float32),
+            frequency_penalty=np.array([[0.0], [0.25]], dtype=np.float32),
+            temperature=np.array([[0.0], [0.7]], dtype=np.float32),
+            min_length=np.array([[4], [0]], dtype=np.int32),
+            bad_words_list=np.array([[[7, 8, 9], [1, 3, -1]]], dtype=np.int32),
+            beam_width=np.array([[1], [1]], dtype=np.int32),
+            len_penalty=np.array([[0.8], [0.8]], dtype=np.float32),
+            exclude_input_in_output=np.array([[True], [True]]),
+        ),
+        CFG,
+    )
+    first, second = parsed.rows
+    assert first.sampling is not None and second.sampling is not None
+    assert (first.sampling.repetition_penalty, first.sampling.presence_penalty) == (
+        pytest.approx(1.3),
+        0.5,
+    )
+    # Each row its own sampling.
+    assert (first.sampling.temperature, second.sampling.temperature) == (0, pytest.approx(0.7))
+    assert second.sampling.frequency_penalty == 0.25
+    assert (first.min_length, second.min_length) == (4, 0)
+    assert first.bad_words == second.bad_words == ((7,), (8, 9))
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"beam_width": np.array([[2], [2]], dtype=np.int32)}, "beam_width: 2; this engine"),
+        ({"return_log_probs": np.array([[True], [False]])}, "return_log_probs"),
+        ({"return_generation_logits": np.array([[True], [True]])}, "return_generation_logits"),
+        ({"exclude_input_in_output": np.array([[False], [False]])}, "exclude_input_in_output"),
+        ({"repetition_penalty": np.array([[0.0], [1.0]], dtype=np.float32)}, "repetition_"),
+        ({"presence_penalty": np.array([[np.inf], [0]], dtype=np.float32)}, "presence_penalty"),
+        ({"min_length": np.array([[11], [0]], dtype=np.int32)}, "min_length: row 0"),
+        ({"bad_words_list": np.array([[[7], [2]]], dtype=np.int32)}, "bad_words_list"),
+    ],
+)
+def test_what_the_engine_cannot_honour_is_refused_by_name(
+    changes: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse_request(good(**changes), CFG)

@@ -130,9 +130,7 @@ def test_check_finds_a_miswired_ensemble(tmp_path: Path) -> None:
         'key: "input_lengths"      value: "_REQUEST_INPUT_LEN"',
         'key: "input_lengths"      value: "_NOWHERE"',
     )
-    text = text.replace(
-        '{ name: "max_tokens"  data_type: TYPE_INT32', '{ name: "max_tokens"  data_type: TYPE_FP32'
-    )
+    text = re.sub(r'(name: "max_tokens"\s+data_type: )TYPE_INT32', r"\1TYPE_FP32", text)
     ensemble.write_text(text)
     (repo / "postprocessing" / "config.pbtxt").write_text("name: 'postprocessing' nonsense {")
     problems = [str(p) for p in modelrepo.check(repo)]

@@ -139,6 +139,10 @@ def test_generate_inputs_are_checked_against_the_ensemble_contract() -> None:
     )
     assert values == {"text_input": "hi", "max_tokens": 4, "stream": True, "temperature": 0}
     assert (accumulate, priority, timeout) == (True, 1, 5000)
+    words, *_ = _generate_inputs({"stop_words": "\n", "bad_words": ["a", "b"]})
+    assert words == {"stop_words": ["\n"], "bad_words": ["a", "b"]}
+    with pytest.raises(BadRequestError, match="bad_words: expected a word"):
+        _generate_inputs({"bad_words": [1]})
     for body, needle in (
         ({"text_input": "hi", "nope": 1}, "'nope': unknown input"),
         ({"text_input": 5}, "text_input: expected a BYTES"),

@@ -102,3 +102,28 @@ def test_end_id_and_pad_id_are_part_of_the_contract_as_in_the_ensemble() -> None
         stock_request(text_input=text(), max_tokens=int32(4)), "ensemble", None
     )
     assert (plain.end_id, plain.pad_id) == (None, None)  # the model's own
+
+
+def test_the_full_ensemble_contract_parses_and_refuses_what_the_engine_cannot_do() -> None:
+    request = stock_request(
+        text_input=text(),
+        max_tokens=int32(9),
+        stop_words=("BYTES", np.array([["\n\n", "User:", ""]], dtype=np.object_)),
+        bad_words=("BYTES", np.array([["damn"]], dtype=np.object_)),
+        min_length=int32(3),
+        repetition_penalty=("FP32", np.array([[1.2]], dtype=np.float32)),
+        length_penalty=("FP32", np.array([[0.5]], dtype=np.float32)),
+        beam_width=int32(1),
+    )
+    params, _ = parse_infer_request(request, "ensemble", None)
+    assert params.stop_words == ("\n\n", "User:") and params.bad_words == ("damn",)
+    assert params.min_length == 3 and params.repetition_penalty == pytest.approx(1.2)
+    for name, value, needle in (
+        ("beam_width", int32(4), "beam_width: 4; this engine decodes one beam"),
+        ("return_log_probs", ("BOOL", np.array([[True]])), "return_log_probs: log prob"),
+        ("exclude_input_in_output", ("BOOL", np.array([[False]])), "exclude_input_in_output"),
+        ("stop_words", ("BYTES", np.array([["a"], ["b"]], dtype=np.object_)), r"shape \[1, n\]"),
+    ):
+        bad = stock_request(text_input=text(), max_tokens=int32(9), **{name: value})
+        with pytest.raises(BadRequestError, match=needle):
+            parse_infer_request(bad, "ensemble", None)

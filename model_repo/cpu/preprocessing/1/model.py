@@ -9,6 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from scheduler_svc.engine.config import DEEPSEEK_V4_END_ID, DEEPSEEK_V4_PAD_ID
+from scheduler_svc.engine.contract import word_lists
 from scheduler_svc.tokenizer import load_tokenizer
 
 
@@ -17,6 +18,10 @@ def _optional(request: Any, name: str, default: int, rows: int) -> np.ndarray:
     if tensor is None:
         return np.full((rows, 1), default, dtype=np.int32)
     return tensor.as_numpy().astype(np.int32).reshape(rows, 1)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 class TritonPythonModel:
@@ -69,5 +74,25 @@ class TritonPythonModel:
                 ),
                 pb_utils.Tensor("OUT_END_ID", _optional(request, "END_ID", self.end_id, rows)),
                 pb_utils.Tensor("OUT_PAD_ID", pad_ids),
+                pb_utils.Tensor("BAD_WORDS_IDS", self._words(request, "BAD_WORDS_DICT", rows)),
+                pb_utils.Tensor("STOP_WORDS_IDS", self._words(request, "STOP_WORDS_DICT", rows)),
             ]
         )
+
+    def _words(self, request: Any, name: str, rows: int) -> np.ndarray:
+        """Each row's words (one per element, as text) as token ids, in TensorRT-LLM's
+        word-list layout; a row without words gets an empty list (offsets all -1)."""
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        per_row: list[tuple[tuple[int, ...], ...]] = [()] * rows
+        if tensor is not None:
+            values = tensor.as_numpy().reshape(rows, -1)
+            encode = self.tokenizer.encode
+            per_row = [
+                tuple(
+                    ids
+                    for ids in (tuple(encode(_text(w), add_special_tokens=False).ids) for w in row)
+                    if ids  # an empty word (a tokenizer that makes nothing of it) is no word
+                )
+                for row in values
+            ]
+        return word_lists(per_row)
