@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import struct
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import structlog
@@ -42,6 +42,7 @@ SERVICE = "inference.GRPCInferenceService"
 MAX_NAME_CHARS = 256
 
 log = structlog.get_logger("scheduler_svc.kserve")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ _NOT_PRODUCED = {
     "return_generation_logits": "generation logits are not produced by this engine",
 }
 OUTPUT = "text_output"
+BATCH_INDEX = "batch_index"  # which row of a batched request a streamed response answers
 _NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
 
 
@@ -148,15 +150,20 @@ def triton_urgency(priority: int | None) -> Urgency:
     return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
 
 
+MAX_ROWS = 64  # rows of one batched request (the ensemble's max_batch_size)
+
+
 def parse_infer_request(
     request: kv.ModelInferRequest, model: str, time_remaining_s: float | None
-) -> tuple[GenerationParams, bool]:
-    """The generation parameters of a text-contract request, and whether it streams."""
+) -> tuple[list[GenerationParams], bool]:
+    """The generation parameters of each row of a text-contract request ([N, 1] tensors, N
+    rows; a [1, 1] tensor applies to every row), and whether it streams."""
     if request.model_name != model:
         raise UnknownModelError(
             f"model {clip(request.model_name)} is not served here (try '{model}')"
         )
-    values: dict[str, object] = {}
+    columns: dict[str, list[object]] = {}
+    rows = 1
     for index, tensor in enumerate(request.inputs):
         spec = INPUTS.get(tensor.name)
         if spec is None:
@@ -166,29 +173,46 @@ def parse_infer_request(
                 f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected "
                 f"{spec.datatype}"
             )
-        items = _values(request, index, tensor)
-        if spec.words:
-            if len(tensor.shape) != 2 or tensor.shape[0] != 1:
-                raise BadRequestError(
-                    f"input '{tensor.name}' has shape {list(tensor.shape)}: one request's "
-                    "words, shape [1, n]"
-                )
-            values[tensor.name] = items
-            continue
-        if len(items) != 1 or any(d != 1 for d in tensor.shape):
+        shape = list(tensor.shape)
+        if len(shape) != 2 or not 1 <= shape[0] <= MAX_ROWS or (shape[1] != 1 and not spec.words):
+            want = "[rows, n] words" if spec.words else "[rows, 1]"
             raise BadRequestError(
-                f"input '{tensor.name}' has shape {list(tensor.shape)}: the sidecar takes one "
-                "prompt per request (shape [1, 1])"
+                f"input '{tensor.name}' has shape {shape[:4]}: expected {want}, at most "
+                f"{MAX_ROWS} rows"
             )
-        values[tensor.name] = items[0]
+        items = _values(request, index, tensor)
+        if len(items) != shape[0] * shape[1]:
+            raise BadRequestError(
+                f"input '{tensor.name}': {len(items)} values do not fill shape {shape}"
+            )
+        width = shape[1]
+        columns[tensor.name] = (
+            [items[r * width : (r + 1) * width] for r in range(shape[0])] if spec.words else items
+        )
+        if tensor.name == "text_input":
+            rows = shape[0]
+    for name, column in columns.items():
+        if len(column) not in (1, rows):
+            raise BadRequestError(
+                f"input '{name}' has {len(column)} rows; text_input has {rows} (or give 1)"
+            )
     for output in request.outputs:
-        if output.name != OUTPUT:
+        if output.name not in (OUTPUT, BATCH_INDEX):
             raise BadRequestError(f"unknown output {clip(output.name)} (this model has '{OUTPUT}')")
     timeout_us = _parameter(request, "timeout")
-    params = params_from_inputs(
-        values, request.id, _parameter(request, "priority"), timeout_us, time_remaining_s
-    )
-    return params, bool(values.get("stream", False))
+    priority = _parameter(request, "priority")
+    params = [
+        params_from_inputs(
+            {name: column[r if len(column) > 1 else 0] for name, column in columns.items()},
+            request.id,
+            priority,
+            timeout_us,
+            time_remaining_s,
+        )
+        for r in range(rows)
+    ]
+    stream = columns.get("stream", [False])
+    return params, bool(stream[0])
 
 
 def params_from_inputs(
@@ -275,24 +299,36 @@ def _words(value: object, name: str) -> tuple[str, ...]:
 
 
 def _response(
-    request: kv.ModelInferRequest, text: str, final: bool | None = None
+    request: kv.ModelInferRequest,
+    texts: list[str],
+    final: bool | None = None,
+    row: int | None = None,
 ) -> kv.ModelInferResponse:
+    """text_output [rows, 1]; with `row`, one row's answer and its batch_index, as Triton
+    streams the rows of a batched request."""
     response = kv.ModelInferResponse(
         model_name=request.model_name, model_version="1", id=request.id
     )
     out = response.outputs.add()
     out.name, out.datatype = OUTPUT, "BYTES"
-    out.shape.extend([1, 1])
-    response.raw_output_contents.append(_serialize_bytes([text.encode("utf-8")]))
+    out.shape.extend([len(texts), 1])
+    response.raw_output_contents.append(_serialize_bytes([t.encode("utf-8") for t in texts]))
+    if row is not None:
+        index = response.outputs.add()
+        index.name, index.datatype = BATCH_INDEX, "INT32"
+        index.shape.extend([1, 1])
+        response.raw_output_contents.append(np.asarray([[row]], dtype="<i4").tobytes())
     if final is not None:
         response.parameters["triton_final_response"].bool_param = final
     return response
 
 
 def _stream_response(
-    request: kv.ModelInferRequest, text: str, final: bool
+    request: kv.ModelInferRequest, text: str, final: bool, row: int | None = None
 ) -> kv.ModelStreamInferResponse:
-    return kv.ModelStreamInferResponse(infer_response=_response(request, text, final=final))
+    return kv.ModelStreamInferResponse(
+        infer_response=_response(request, [text], final=final, row=row)
+    )
 
 
 class TritonCalls(Protocol):
@@ -372,6 +408,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         for name, spec in INPUTS.items():
             meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, -1 if spec.words else 1])
         meta.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1, -1])
+        meta.outputs.add(name=BATCH_INDEX, datatype="INT32", shape=[-1, 1])
         return meta
 
     async def ModelConfig(
@@ -379,7 +416,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> kv.ModelConfigResponse:
         if request.name != self.model:
             return await self._through("ModelConfig", request)
-        config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=1)
+        config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=MAX_ROWS)
         for name, spec in INPUTS.items():
             config.input.add(
                 name=name,
@@ -388,6 +425,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 optional=spec.optional,
             )
         config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
+        config.output.add(name=BATCH_INDEX, data_type=mc.TYPE_INT32, dims=[1])
         config.model_transaction_policy.decoupled = True
         return kv.ModelConfigResponse(config=config)
 
@@ -435,11 +473,15 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelInfer(
         self, request: kv.ModelInferRequest, context: Context
     ) -> kv.ModelInferResponse:
-        params, _ = parse_infer_request(request, self.model, context.time_remaining())
+        """Every row scheduled on its own, side by side; one answer with all the texts."""
+        rows, _ = parse_infer_request(request, self.model, context.time_remaining())
+        return _response(request, await _side_by_side([self._whole(params) for params in rows]))
+
+    async def _whole(self, params: GenerationParams) -> str:
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Final):
-                    return _response(request, event.text)
+                    return event.text
         raise InternalError("generation ended without a final answer")
 
     async def ModelStreamInfer(
@@ -502,21 +544,19 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         out: asyncio.Queue[kv.ModelStreamInferResponse | None],
         context: Context,
     ) -> None:
+        """One request of a stream: its rows scheduled side by side. A batched request's
+        responses carry batch_index; the very last one is flagged final. One row's error ends
+        the request with that error, and its other rows are cancelled."""
         try:
-            params, stream = parse_infer_request(request, self.model, context.time_remaining())
-            held: str | None = None  # the latest delta, sent once we know if it is the last
-            async with contextlib.aclosing(self.service.generate(params)) as events:
-                async for event in events:
-                    if isinstance(event, Delta):
-                        if stream and event.text:
-                            if held is not None:
-                                await out.put(_stream_response(request, held, final=False))
-                            held = event.text
-                        continue
-                    text = (held or "") if stream else event.text
-                    await out.put(_stream_response(request, text, final=True))
-                    return
-            raise InternalError("generation ended without a final answer")
+            rows, stream = parse_infer_request(request, self.model, context.time_remaining())
+            left = [len(rows)]
+            row = (lambda r: r) if len(rows) > 1 else (lambda r: None)
+            await _side_by_side(
+                [
+                    self._row_streamed(request, params, stream, row(r), left, out)
+                    for r, params in enumerate(rows)
+                ]
+            )
         except RequestError as exc:
             await out.put(_stream_error(request, exc))
         except Exception as exc:  # a bug: this request still gets its one answer
@@ -526,6 +566,42 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             await out.put(
                 _stream_error(request, InternalError(f"internal error {error_id} (logged)"))
             )
+
+    async def _row_streamed(
+        self,
+        request: kv.ModelInferRequest,
+        params: GenerationParams,
+        stream: bool,
+        row: int | None,
+        left: list[int],
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None],
+    ) -> None:
+        held: str | None = None  # the latest delta, sent once we know if it is the last
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    if stream and event.text:
+                        if held is not None:
+                            await out.put(_stream_response(request, held, False, row))
+                        held = event.text
+                    continue
+                left[0] -= 1
+                text = (held or "") if stream else event.text
+                await out.put(_stream_response(request, text, left[0] == 0, row))
+                return
+        raise InternalError("generation ended without a final answer")
+
+
+async def _side_by_side(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run every row at once; the first failure cancels the others and is raised as it is."""
+    tasks = [asyncio.create_task(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _stream_error(

@@ -204,3 +204,32 @@ def test_the_full_ensemble_contract_answers_as_triton_does(
         _, ours = _text(sidecar.url, {**base, name: value})
         assert theirs is not None and name in theirs, theirs
         assert ours is not None and "[INVALID_ARGUMENT]" in ours and name in ours, ours
+
+
+def test_a_batched_request_is_answered_row_by_row_as_triton_does(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    """A [2, 1] request: two scheduled requests in the sidecar, answered on the stream with
+    batch_index as Triton answers it, and whole ([2, 1]) on ModelInfer."""
+    tensors = {
+        "text_input": np.array([["The weather today"], ["Hello, 你好"]], dtype=np.object_),
+        "max_tokens": np.array([[6], [9]], dtype=np.int32),
+        "stream": np.array([[True], [True]]),
+    }
+
+    def rows(url: str) -> dict[int, str]:
+        answer = infer(url, "ensemble", tensors)
+        assert answer.error is None and answer.final, answer.error
+        texts = {0: "", 1: ""}
+        for out in answer.outputs:
+            if "text_output" in out:
+                row = int(out["batch_index"].reshape(-1)[0])
+                texts[row] += out["text_output"].reshape(-1)[0].decode()
+        return texts
+
+    theirs = rows(triton.grpc_url)
+    assert rows(sidecar.url) == theirs and theirs[0] and theirs[1]
+    client = grpcclient.InferenceServerClient(sidecar.url)
+    whole = client.infer("ensemble", make_inputs({**tensors, "stream": np.array([[False]])}))
+    assert [t.decode() for t in whole.as_numpy("text_output").reshape(-1)] == [theirs[0], theirs[1]]
+    assert len(sidecar.events("request end")) >= 4  # each row was a request of its own

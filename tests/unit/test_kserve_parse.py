@@ -44,7 +44,7 @@ def test_stock_request_parses_with_sampling_and_parameters() -> None:
     )
     request.parameters["priority"].int64_param = 1
     request.parameters["timeout"].int64_param = 250_000
-    params, stream = parse_infer_request(request, "ensemble", None)
+    [params], stream = parse_infer_request(request, "ensemble", None)
     assert stream
     assert params.prompt == "你好" and params.max_tokens == 9 and params.seed == 5
     assert params.temperature == pytest.approx(0.7)
@@ -68,9 +68,13 @@ def test_stock_request_parses_with_sampling_and_parameters() -> None:
         (
             {
                 "text_input": ("BYTES", np.array([[b"a"], [b"b"]], dtype=np.object_)),
-                "max_tokens": int32(3),
+                "max_tokens": ("INT32", np.array([[3], [4], [5]], dtype=np.int32)),
             },
-            "one prompt per request",
+            "input 'max_tokens' has 3 rows; text_input has 2",
+        ),
+        (
+            {"text_input": ("BYTES", np.array([[b"a", b"b"]], dtype=np.object_))},
+            r"expected \[rows, 1\]",
         ),
     ],
 )
@@ -96,9 +100,9 @@ def test_end_id_and_pad_id_are_part_of_the_contract_as_in_the_ensemble() -> None
     request = stock_request(
         text_input=text("hi"), max_tokens=int32(4), end_id=int32(7), pad_id=int32(0)
     )
-    params, _ = parse_infer_request(request, "ensemble", None)
+    [params], _ = parse_infer_request(request, "ensemble", None)
     assert (params.end_id, params.pad_id) == (7, 0)
-    plain, _ = parse_infer_request(
+    [plain], _ = parse_infer_request(
         stock_request(text_input=text(), max_tokens=int32(4)), "ensemble", None
     )
     assert (plain.end_id, plain.pad_id) == (None, None)  # the model's own
@@ -115,15 +119,30 @@ def test_the_full_ensemble_contract_parses_and_refuses_what_the_engine_cannot_do
         length_penalty=("FP32", np.array([[0.5]], dtype=np.float32)),
         beam_width=int32(1),
     )
-    params, _ = parse_infer_request(request, "ensemble", None)
+    [params], _ = parse_infer_request(request, "ensemble", None)
     assert params.stop_words == ("\n\n", "User:") and params.bad_words == ("damn",)
     assert params.min_length == 3 and params.repetition_penalty == pytest.approx(1.2)
     for name, value, needle in (
         ("beam_width", int32(4), "beam_width: 4; this engine decodes one beam"),
         ("return_log_probs", ("BOOL", np.array([[True]])), "return_log_probs: log prob"),
         ("exclude_input_in_output", ("BOOL", np.array([[False]])), "exclude_input_in_output"),
-        ("stop_words", ("BYTES", np.array([["a"], ["b"]], dtype=np.object_)), r"shape \[1, n\]"),
+        ("stop_words", ("BYTES", np.array([["a"], ["b"]], dtype=np.object_)), "has 2 rows"),
     ):
         bad = stock_request(text_input=text(), max_tokens=int32(9), **{name: value})
         with pytest.raises(BadRequestError, match=needle):
             parse_infer_request(bad, "ensemble", None)
+
+
+def test_a_batched_request_is_one_set_of_parameters_per_row() -> None:
+    request = stock_request(
+        text_input=("BYTES", np.array([[b"one"], [b"two"], [b"three"]], dtype=np.object_)),
+        max_tokens=("INT32", np.array([[3], [4], [5]], dtype=np.int32)),
+        temperature=("FP32", np.array([[0.5]], dtype=np.float32)),  # one value: every row
+        stop_words=("BYTES", np.array([["a", ""], ["b", "c"], ["", ""]], dtype=np.object_)),
+    )
+    rows, _ = parse_infer_request(request, "ensemble", None)
+    assert [r.prompt for r in rows] == ["one", "two", "three"]
+    assert [r.max_tokens for r in rows] == [3, 4, 5]
+    assert [r.temperature for r in rows] == [0.5] * 3
+    assert [r.stop_words for r in rows] == [("a",), ("b", "c"), ()]
+    assert {r.request_id for r in rows} == {"r1"}  # the client's id is a label of each
