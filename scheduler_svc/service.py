@@ -95,6 +95,9 @@ class GenerationParams:
     # are never generated.
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+    # The same as token ids (the engine contract's stop_words_list / bad_words_list).
+    stop_word_ids: tuple[tuple[int, ...], ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     min_length: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -238,6 +241,14 @@ class GenerationService:
                 raise BadRequestError(f"{name}: {len(words)} words, at most {MAX_WORDS}")
             if any(len(w) > MAX_STOP_CHARS for w in words):
                 raise BadRequestError(f"{name}: each word needs 1..{MAX_STOP_CHARS} characters")
+        for name in ("stop_word_ids", "bad_word_ids"):
+            words = getattr(params, name)
+            if len(words) > MAX_WORDS or any(not 0 < len(w) <= MAX_WORD_TOKENS for w in words):
+                raise BadRequestError(
+                    f"{name}: at most {MAX_WORDS} words of 1..{MAX_WORD_TOKENS} tokens"
+                )
+            if any(not 0 <= t < self.vocab_size for w in words for t in w):
+                raise BadRequestError(f"{name}: a token is outside the vocabulary")
         if not 0 <= params.min_length <= max_tokens:
             raise BadRequestError(
                 f"min_length: {params.min_length}, allowed 0..{max_tokens} (max_tokens)"
@@ -283,8 +294,8 @@ class GenerationService:
             raise BackendUnavailableError("the backend is not ready; retry shortly")
         prompt = await self._prompt_ids(params)
         words = (
-            self._encode_words(params.stop_words, "stop_words"),
-            self._encode_words(params.bad_words, "bad_words"),
+            self._encode_words(params.stop_words, "stop_words") + params.stop_word_ids,
+            self._encode_words(params.bad_words, "bad_words") + params.bad_word_ids,
         )
         run.prompt_tokens = len(prompt)
         self._refuse_by_quota(tenant, len(prompt) + max_tokens)

@@ -24,7 +24,6 @@ from tritonclient.grpc import service_pb2 as kv
 from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc import __version__
-from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import (
     BadRequestError,
     InternalError,
@@ -34,6 +33,17 @@ from scheduler_svc.errors import (
     UnsupportedError,
     clip,
     grpc_status,
+)
+from scheduler_svc.server.contract import (
+    MAX_ROWS,
+    refuse_what_the_engine_cannot_do,
+    request_parameter,
+    triton_urgency,
+)
+from scheduler_svc.server.kserve_engine import (
+    engine_batch_response,
+    engine_response,
+    parse_engine_request,
 )
 from scheduler_svc.server.status import Context
 from scheduler_svc.service import Delta, Final, GenerationParams, GenerationService
@@ -76,12 +86,7 @@ INPUTS: dict[str, _Spec] = {
     "return_generation_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
     "exclude_input_in_output": _Spec("BOOL", mc.TYPE_BOOL, True),
 }
-# What the engine cannot produce: refused by name, as the engine itself refuses it.
-_NOT_PRODUCED = {
-    "return_log_probs": "log probabilities are not produced by this engine",
-    "return_context_logits": "context logits are not produced by this engine",
-    "return_generation_logits": "generation logits are not produced by this engine",
-}
+
 OUTPUT = "text_output"
 BATCH_INDEX = "batch_index"  # which row of a batched request a streamed response answers
 _NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
@@ -131,28 +136,6 @@ def _values(
     return list(field)
 
 
-def _parameter(request: kv.ModelInferRequest, key: str) -> int | None:
-    if key not in request.parameters:
-        return None
-    param = request.parameters[key]
-    which = param.WhichOneof("parameter_choice")
-    if which in ("int64_param", "uint64_param"):
-        return int(getattr(param, which))
-    raise BadRequestError(f"parameter {key}: expected an integer, got {which}")
-
-
-def triton_urgency(priority: int | None) -> Urgency:
-    """Triton's priority: 1 is the most urgent level, 0 means the default."""
-    if priority is None or priority == 0:
-        return Urgency.STANDARD
-    if priority < 0:
-        raise BadRequestError(f"parameter priority: {priority} is negative")
-    return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
-
-
-MAX_ROWS = 64  # rows of one batched request (the ensemble's max_batch_size)
-
-
 def parse_infer_request(
     request: kv.ModelInferRequest, model: str, time_remaining_s: float | None
 ) -> tuple[list[GenerationParams], bool]:
@@ -199,8 +182,8 @@ def parse_infer_request(
     for output in request.outputs:
         if output.name not in (OUTPUT, BATCH_INDEX):
             raise BadRequestError(f"unknown output {clip(output.name)} (this model has '{OUTPUT}')")
-    timeout_us = _parameter(request, "timeout")
-    priority = _parameter(request, "priority")
+    timeout_us = request_parameter(request, "timeout")
+    priority = request_parameter(request, "priority")
     params = [
         params_from_inputs(
             {name: column[r if len(column) > 1 else 0] for name, column in columns.items()},
@@ -240,17 +223,7 @@ def params_from_inputs(
             ) from None
     if timeout_us is not None and timeout_us < 0:
         raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
-    beams = values.get("beam_width", 1)
-    if beams != 1:
-        raise BadRequestError(f"beam_width: {beams}; this engine decodes one beam (beam_width 1)")
-    for name, why in _NOT_PRODUCED.items():
-        if values.get(name, False):
-            raise BadRequestError(f"{name}: {why}")
-    if not values.get("exclude_input_in_output", True):
-        raise BadRequestError(
-            "exclude_input_in_output: false is not supported; this engine returns the "
-            "generated tokens only"
-        )
+    refuse_what_the_engine_cannot_do(values)
     # length_penalty only ranks beams: with one beam it changes nothing, so it is accepted.
 
     def number(name: str, default: float) -> float:
@@ -352,6 +325,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, service: GenerationService, triton: TritonCalls | None = None) -> None:
         self.service = service
         self.model = service.cfg.model.kserve_model
+        self.engine_model = service.cfg.triton.engine_model
         self.triton = triton
 
     async def _through(self, method: str, request: Any, every: bool = False) -> Any:
@@ -470,18 +444,38 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
     # -- inference ---------------------------------------------------------------------------
 
+    def _is_engine(self, request: kv.ModelInferRequest) -> bool:
+        """A request for the engine model itself (token ids): scheduled through the same path."""
+        name = str(request.model_name)
+        return name == self.engine_model and name != self.model
+
+    def _check_version(self, request: kv.ModelInferRequest) -> None:
+        if request.model_version not in ("", "1"):
+            raise UnknownModelError(
+                f"model {clip(request.model_name)} version {clip(request.model_version)} is "
+                "not served here (version 1 is)"
+            )
+
     async def ModelInfer(
         self, request: kv.ModelInferRequest, context: Context
     ) -> kv.ModelInferResponse:
-        """Every row scheduled on its own, side by side; one answer with all the texts."""
+        """Every row scheduled on its own, side by side; one answer with every row."""
+        self._check_version(request)
+        if self._is_engine(request):
+            rows, _ = parse_engine_request(request, context.time_remaining())
+            finals = await _side_by_side([self._whole(params) for params in rows])
+            return engine_batch_response(
+                request, [f.token_ids for f in finals], self.service.cfg.model.pad_id
+            )
         rows, _ = parse_infer_request(request, self.model, context.time_remaining())
-        return _response(request, await _side_by_side([self._whole(params) for params in rows]))
+        finals = await _side_by_side([self._whole(params) for params in rows])
+        return _response(request, [f.text for f in finals])
 
-    async def _whole(self, params: GenerationParams) -> str:
+    async def _whole(self, params: GenerationParams) -> Final:
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Final):
-                    return event.text
+                    return event
         raise InternalError("generation ended without a final answer")
 
     async def ModelStreamInfer(
@@ -548,12 +542,18 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         responses carry batch_index; the very last one is flagged final. One row's error ends
         the request with that error, and its other rows are cancelled."""
         try:
-            rows, stream = parse_infer_request(request, self.model, context.time_remaining())
+            self._check_version(request)
+            engine = self._is_engine(request)
+            if engine:
+                rows, stream = parse_engine_request(request, context.time_remaining())
+            else:
+                rows, stream = parse_infer_request(request, self.model, context.time_remaining())
             left = [len(rows)]
             row = (lambda r: r) if len(rows) > 1 else (lambda r: None)
+            streamed = self._engine_row_streamed if engine else self._row_streamed
             await _side_by_side(
                 [
-                    self._row_streamed(request, params, stream, row(r), left, out)
+                    streamed(request, params, stream, row(r), left, out)
                     for r, params in enumerate(rows)
                 ]
             )
@@ -566,6 +566,34 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             await out.put(
                 _stream_error(request, InternalError(f"internal error {error_id} (logged)"))
             )
+
+    async def _engine_row_streamed(
+        self,
+        request: kv.ModelInferRequest,
+        params: GenerationParams,
+        stream: bool,
+        row: int | None,
+        left: list[int],
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None],
+    ) -> None:
+        """One row of an engine-contract request: new token ids per response when streaming,
+        else all of them at the end."""
+        held: tuple[int, ...] | None = None
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    if stream and event.token_ids:
+                        if held is not None:
+                            response = engine_response(request, held, False, row)
+                            await out.put(kv.ModelStreamInferResponse(infer_response=response))
+                        held = event.token_ids
+                    continue
+                left[0] -= 1
+                tokens = (held or ()) if stream else event.token_ids
+                response = engine_response(request, tokens, left[0] == 0, row)
+                await out.put(kv.ModelStreamInferResponse(infer_response=response))
+                return
+        raise InternalError("generation ended without a final answer")
 
     async def _row_streamed(
         self,

@@ -16,7 +16,7 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.sidecar import SidecarProcess
-from tests.integration.tritonio import infer, make_inputs, text_request
+from tests.integration.tritonio import engine_request, infer, make_inputs, text_request
 
 
 def test_metadata_statistics_and_the_repository_pass_through_to_triton(
@@ -233,3 +233,45 @@ def test_a_batched_request_is_answered_row_by_row_as_triton_does(
     whole = client.infer("ensemble", make_inputs({**tensors, "stream": np.array([[False]])}))
     assert [t.decode() for t in whole.as_numpy("text_output").reshape(-1)] == [theirs[0], theirs[1]]
     assert len(sidecar.events("request end")) >= 4  # each row was a request of its own
+
+
+def test_the_engine_model_is_scheduled_through_the_sidecar(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    """`tensorrt_llm` requests (token ids in and out), as TensorRT-LLM clients send them: the
+    same tokens through the sidecar as from Triton, streamed or not, one row or two; each row
+    goes through the scheduler (a request end of its own)."""
+    prompt = load_tokenizer().encode("The weather today", add_special_tokens=False).ids
+    ended = len(sidecar.events("request end"))
+    for streaming in (True, False):
+        tensors = engine_request(prompt, 8, streaming=streaming, end_id=np.array([[-1]], np.int32))
+        theirs = infer(triton.grpc_url, "tensorrt_llm", tensors)
+        ours = infer(sidecar.url, "tensorrt_llm", tensors)
+        assert theirs.error is None and ours.error is None, (theirs.error, ours.error)
+        assert ours.final and ours.tokens() == theirs.tokens() and len(ours.tokens()) == 8
+        if streaming:
+            assert len(ours.outputs) > 1  # new tokens per response
+    two = {
+        "input_ids": np.asarray([prompt, prompt[:2] + [0] * (len(prompt) - 2)], dtype=np.int32),
+        "input_lengths": np.asarray([[len(prompt)], [2]], dtype=np.int32),
+        "request_output_len": np.asarray([[5], [7]], dtype=np.int32),
+        "streaming": np.asarray([[True], [True]]),
+        "end_id": np.asarray([[-1], [-1]], dtype=np.int32),
+    }
+    theirs = infer(triton.grpc_url, "tensorrt_llm", two)
+    ours = infer(sidecar.url, "tensorrt_llm", two)
+    assert [ours.tokens(r) for r in (0, 1)] == [theirs.tokens(r) for r in (0, 1)]
+    assert [len(ours.tokens(r)) for r in (0, 1)] == [5, 7]
+    assert len(sidecar.events("request end")) - ended == 4
+    whole = grpcclient.InferenceServerClient(sidecar.url).infer(
+        "tensorrt_llm", make_inputs({**two, "streaming": np.asarray([[False], [False]])})
+    )
+    assert whole.as_numpy("sequence_length").reshape(-1).tolist() == [5, 7]
+    assert whole.as_numpy("output_ids")[1, 0, :7].tolist() == theirs.tokens(1)
+    stop = infer(
+        sidecar.url, "tensorrt_llm", {**engine_request(prompt, 4), "stop": np.array([[True]])}
+    )
+    assert stop.error is not None and "request ids are labels" in stop.error
+    versioned = grpcclient.InferenceServerClient(sidecar.url)
+    with pytest.raises(InferenceServerException, match="version '2' is not served"):
+        versioned.infer("ensemble", make_inputs(text_request("hi", 2)), model_version="2")
