@@ -106,11 +106,13 @@ class ModelConfig(_Frozen):
         "deepseek-v4",
         description="Folder with the model's tokenizer.json; `deepseek-v4` is the packaged one.",
     )
-    kserve_model: str = Field(
-        "ensemble",
+    kserve_model: str | None = Field(
+        None,
         min_length=1,
         max_length=256,
-        description="Model name the KServe, generate and OpenAI fronts answer for (text).",
+        description="Model name the KServe, generate and OpenAI fronts answer for (text); "
+        "null: discovered from Triton's repository (the ready model with the ensemble's text "
+        "contract: text_input, max_tokens in, text_output out), `ensemble` until then.",
     )
     chat_template: str | None = Field(
         None,

@@ -48,6 +48,7 @@ from scheduler_svc.text import TextStream
 
 log = structlog.get_logger("scheduler_svc.requests")
 
+DEFAULT_TEXT_MODEL = "ensemble"
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_WORDS = 64  # stop or bad words per request (the engine's own bound)
@@ -148,6 +149,9 @@ class GenerationService:
         self._stop_words = tuple((t,) for t in cfg.model.stop_token_ids)
         self.loop = loop
         self.backend_ready = False
+        # The text model the fronts answer for: the configured one, or the one discovered in
+        # Triton's repository once it is ready.
+        self.text_model = cfg.model.kserve_model or DEFAULT_TEXT_MODEL
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
         self.quotas = make_quotas(cfg.quotas)

@@ -17,6 +17,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tritonclient.grpc import service_pb2 as kv_pb
 from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
@@ -31,7 +32,7 @@ from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Scheduler, Target
-from scheduler_svc.errors import ConfigError, ShuttingDownError
+from scheduler_svc.errors import ConfigError, RequestError, ShuttingDownError
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.metrics import MetricsServer, SidecarMetrics
 from scheduler_svc.runner import RowRunner, runner_for
@@ -39,7 +40,7 @@ from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.server.controls import SidecarControls
 from scheduler_svc.server.guard import Guard, Identity
 from scheduler_svc.server.http import HttpFront
-from scheduler_svc.service import GenerationService
+from scheduler_svc.service import DEFAULT_TEXT_MODEL, GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
 log = structlog.get_logger("scheduler_svc.server")
@@ -92,6 +93,7 @@ class Sidecar:
         self.service = GenerationService(cfg, load_tokenizer(cfg.model.tokenizer_dir), self.loop)
         self.health = health.aio.HealthServicer()
         self.profile: EngineProfile | None = None
+        self._text_model_found = False
         self.controls = SidecarControls(
             cfg,
             self.loop,
@@ -310,6 +312,42 @@ class Sidecar:
                 log.warning("cannot read the engine's profile yet", error=exc.details())
                 return False
             await self._adopt(profile)
+        if self.cfg.model.kserve_model is None and not self._text_model_found:
+            self._text_model_found = await self._discover_text_model()
+        return True
+
+    async def _discover_text_model(self) -> bool:
+        """The model the text fronts answer for: the ready model of Triton's repository with
+        the ensemble's text contract (text_input and max_tokens in, text_output out); with
+        several, `ensemble` if it is one, else the first by name."""
+        try:
+            index = await self.controls.triton_call(
+                "RepositoryIndex", kv_pb.RepositoryIndexRequest(ready=True)
+            )
+            found = []
+            for model in sorted({m.name for m in index.models}):
+                meta = await self.controls.triton_call(
+                    "ModelMetadata", kv_pb.ModelMetadataRequest(name=model)
+                )
+                inputs = {(i.name, i.datatype) for i in meta.inputs}
+                outputs = {o.name for o in meta.outputs}
+                if {("text_input", "BYTES"), ("max_tokens", "INT32")} <= inputs and (
+                    "text_output" in outputs
+                ):
+                    found.append(model)
+        except RequestError as exc:
+            log.warning("cannot discover the text model yet", error=str(exc))
+            return False
+        if not found:
+            log.warning(
+                "no model with the text contract in Triton's repository; the text fronts "
+                "answer for the default name",
+                model=self.service.text_model,
+            )
+            return True  # nothing to find; asked again only after a restart
+        chosen = DEFAULT_TEXT_MODEL if DEFAULT_TEXT_MODEL in found else found[0]
+        self.service.text_model = chosen
+        log.info("text model discovered", model=chosen, candidates=found)
         return True
 
     async def _adopt(self, profile: EngineProfile) -> None:

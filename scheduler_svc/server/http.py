@@ -151,12 +151,15 @@ class HttpFront:
     ) -> None:
         self.service = service
         self.cfg = service.cfg
-        self.model = service.cfg.model.kserve_model
         self.identity = identity
         self.chat = chat
         self.metrics = service.loop.metrics
         self._runner: web.AppRunner | None = None
         self.port = 0
+
+    @property
+    def model(self) -> str:
+        return self.service.text_model
 
     # -- the listener ------------------------------------------------------------------------
 

@@ -324,9 +324,12 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
     def __init__(self, service: GenerationService, triton: TritonCalls | None = None) -> None:
         self.service = service
-        self.model = service.cfg.model.kserve_model
         self.engine_model = service.cfg.triton.engine_model
         self.triton = triton
+
+    @property
+    def model(self) -> str:
+        return self.service.text_model
 
     async def _through(self, method: str, request: Any, every: bool = False) -> Any:
         if self.triton is None:

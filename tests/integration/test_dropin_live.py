@@ -3,10 +3,12 @@ inference pass through to Triton, shared memory is refused clearly, request ids 
 
 from __future__ import annotations
 
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx2 as httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -15,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
+from tests.integration.conftest import CPU_REPO, _start
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_request, infer, make_inputs, text_request
 
@@ -275,3 +278,29 @@ def test_the_engine_model_is_scheduled_through_the_sidecar(
     versioned = grpcclient.InferenceServerClient(sidecar.url)
     with pytest.raises(InferenceServerException, match="version '2' is not served"):
         versioned.infer("ensemble", make_inputs(text_request("hi", 2)), model_version="2")
+
+
+def test_the_text_model_is_discovered_from_tritons_repository(tmp_path: Path) -> None:
+    """A repository whose text ensemble is not called `ensemble`: the sidecar finds it by its
+    contract, and every front answers for that name."""
+    repo = tmp_path / "repo"
+    shutil.copytree(CPU_REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "ensemble").rename(repo / "chat-model")
+    config = repo / "chat-model" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "ensemble"', 'name: "chat-model"'))
+    triton = _start(repo, tmp_path / "triton.log")
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path).start()
+    try:
+        discovered = sidecar.wait_for_events("text model discovered", lambda e: len(e) >= 1)
+        assert discovered[0]["model"] == "chat-model"
+        client = grpcclient.InferenceServerClient(sidecar.url)
+        assert client.get_model_metadata("chat-model").platform == "ensemble"
+        result = client.infer("chat-model", make_inputs(text_request("hello", 3)))
+        assert result.as_numpy("text_output") is not None
+        with pytest.raises(InferenceServerException, match="not served here"):
+            client.infer("ensemble", make_inputs(text_request("hello", 3)))
+        models = httpx.get(f"{sidecar.http_url}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["chat-model"]
+    finally:
+        sidecar.stop()
+        triton.stop()
