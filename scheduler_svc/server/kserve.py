@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import struct
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -53,6 +53,7 @@ MAX_NAME_CHARS = 256
 
 log = structlog.get_logger("scheduler_svc.kserve")
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -581,22 +582,13 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> None:
         """One row of an engine-contract request: new token ids per response when streaming,
         else all of them at the end."""
-        held: tuple[int, ...] | None = None
-        async with contextlib.aclosing(self.service.generate(params)) as events:
-            async for event in events:
-                if isinstance(event, Delta):
-                    if stream and event.token_ids:
-                        if held is not None:
-                            response = engine_response(request, held, False, row)
-                            await out.put(kv.ModelStreamInferResponse(infer_response=response))
-                        held = event.token_ids
-                    continue
-                left[0] -= 1
-                tokens = (held or ()) if stream else event.token_ids
-                response = engine_response(request, tokens, left[0] == 0, row)
-                await out.put(kv.ModelStreamInferResponse(infer_response=response))
-                return
-        raise InternalError("generation ended without a final answer")
+
+        def answer(tokens: tuple[int, ...], final: bool) -> kv.ModelStreamInferResponse:
+            response = engine_response(request, tokens, final, row)
+            return kv.ModelStreamInferResponse(infer_response=response)
+
+        none: tuple[int, ...] = ()
+        await self._stream_row(params, stream, left, out, lambda e: e.token_ids, answer, none)
 
     async def _row_streamed(
         self,
@@ -607,18 +599,37 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         left: list[int],
         out: asyncio.Queue[kv.ModelStreamInferResponse | None],
     ) -> None:
-        held: str | None = None  # the latest delta, sent once we know if it is the last
+        """One row of a text request: a response per text delta when streaming, else one."""
+
+        def answer(text: str, final: bool) -> kv.ModelStreamInferResponse:
+            return _stream_response(request, text, final, row)
+
+        await self._stream_row(params, stream, left, out, lambda e: e.text, answer, "")
+
+    async def _stream_row(
+        self,
+        params: GenerationParams,
+        stream: bool,
+        left: list[int],
+        out: asyncio.Queue[kv.ModelStreamInferResponse | None],
+        piece: Callable[[Delta | Final], P],
+        answer: Callable[[P, bool], kv.ModelStreamInferResponse],
+        empty: P,
+    ) -> None:
+        """Generate one row and answer it: each piece (held back one, so the very last
+        response of the request can be flagged final), or the whole piece at the end."""
+        held: P | None = None
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Delta):
-                    if stream and event.text:
+                    if stream and piece(event):
                         if held is not None:
-                            await out.put(_stream_response(request, held, False, row))
-                        held = event.text
+                            await out.put(answer(held, False))
+                        held = piece(event)
                     continue
                 left[0] -= 1
-                text = (held or "") if stream else event.text
-                await out.put(_stream_response(request, text, left[0] == 0, row))
+                last = (empty if held is None else held) if stream else piece(event)
+                await out.put(answer(last, left[0] == 0))
                 return
         raise InternalError("generation ended without a final answer")
 
