@@ -8,6 +8,23 @@ from tritonclient.grpc import service_pb2 as kv
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
 
+# KServe datatypes as numpy reads their raw little-endian bytes.
+NUMPY_DTYPES = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
+
+
+def typed_contents(tensor: kv.ModelInferRequest.InferInputTensor, datatype: str) -> list[object]:
+    """A tensor's values sent as typed contents (not raw bytes)."""
+    contents = tensor.contents
+    field = {
+        "BYTES": contents.bytes_contents,
+        "INT32": contents.int_contents,
+        "FP32": contents.fp32_contents,
+        "UINT64": contents.uint64_contents,
+        "BOOL": contents.bool_contents,
+    }[datatype]
+    return list(field)
+
+
 MAX_ROWS = 64  # rows of one batched request (the ensemble's max_batch_size)
 # What the engine cannot produce: refused by name, as the engine itself refuses it.
 _NOT_PRODUCED = {

@@ -36,9 +36,11 @@ from scheduler_svc.errors import (
 )
 from scheduler_svc.server.contract import (
     MAX_ROWS,
+    NUMPY_DTYPES,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     triton_urgency,
+    typed_contents,
 )
 from scheduler_svc.server.kserve_engine import (
     engine_batch_response,
@@ -90,7 +92,6 @@ INPUTS: dict[str, _Spec] = {
 
 OUTPUT = "text_output"
 BATCH_INDEX = "batch_index"  # which row of a batched request a streamed response answers
-_NUMPY = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
 
 
 def _deserialize_bytes(raw: bytes) -> list[bytes]:
@@ -121,20 +122,12 @@ def _values(
         if spec.datatype == "BYTES":
             return list(_deserialize_bytes(raw))
         try:
-            return list(np.frombuffer(raw, dtype=_NUMPY[spec.datatype]).tolist())
+            return list(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.datatype]).tolist())
         except ValueError:
             raise BadRequestError(
                 f"{name}: {len(raw)} bytes do not hold {spec.datatype} values"
             ) from None
-    contents = tensor.contents
-    field = {
-        "BYTES": contents.bytes_contents,
-        "INT32": contents.int_contents,
-        "FP32": contents.fp32_contents,
-        "UINT64": contents.uint64_contents,
-        "BOOL": contents.bool_contents,
-    }[spec.datatype]
-    return list(field)
+    return typed_contents(tensor, spec.datatype)
 
 
 def parse_infer_request(

@@ -19,13 +19,13 @@ from tritonclient.grpc import service_pb2 as kv
 from scheduler_svc.errors import BadRequestError, clip
 from scheduler_svc.server.contract import (
     MAX_ROWS,
+    NUMPY_DTYPES,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     triton_urgency,
+    typed_contents,
 )
 from scheduler_svc.service import GenerationParams
-
-_DTYPES = {"INT32": "<i4", "UINT64": "<u8", "FP32": "<f4", "BOOL": "?"}
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,11 @@ def _array(request: kv.ModelInferRequest, index: int) -> npt.NDArray[np.generic]
             f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected {spec.datatype}"
         )
     shape = list(tensor.shape)
+    dtype = NUMPY_DTYPES[spec.datatype]
     if index < len(request.raw_input_contents):
-        flat = np.frombuffer(request.raw_input_contents[index], dtype=_DTYPES[spec.datatype])
+        flat = np.frombuffer(request.raw_input_contents[index], dtype=dtype)
     else:
-        contents = tensor.contents
-        field = {
-            "INT32": contents.int_contents,
-            "FP32": contents.fp32_contents,
-            "UINT64": contents.uint64_contents,
-            "BOOL": contents.bool_contents,
-        }[spec.datatype]
-        flat = np.asarray(list(field), dtype=_DTYPES[spec.datatype])
+        flat = np.asarray(typed_contents(tensor, spec.datatype), dtype=dtype)
     if int(np.prod(shape)) != flat.size:
         raise BadRequestError(f"input '{tensor.name}': {flat.size} values do not fill {shape}")
     return flat.reshape(shape)

@@ -231,11 +231,14 @@ def test_a_batched_request_is_answered_row_by_row_as_triton_does(
         return texts
 
     theirs = rows(triton.grpc_url)
+    ended = len(sidecar.events("request end"))
     assert rows(sidecar.url) == theirs and theirs[0] and theirs[1]
     client = grpcclient.InferenceServerClient(sidecar.url)
     whole = client.infer("ensemble", make_inputs({**tensors, "stream": np.array([[False]])}))
     assert [t.decode() for t in whole.as_numpy("text_output").reshape(-1)] == [theirs[0], theirs[1]]
-    assert len(sidecar.events("request end")) >= 4  # each row was a request of its own
+    # Each row was a request of its own: two streamed, two unary.
+    sidecar.wait_for_events("request end", lambda ends: len(ends) >= ended + 4)
+    assert len(sidecar.events("request end")) == ended + 4
 
 
 def test_the_engine_model_is_scheduled_through_the_sidecar(
@@ -265,6 +268,7 @@ def test_the_engine_model_is_scheduled_through_the_sidecar(
     ours = infer(sidecar.url, "tensorrt_llm", two)
     assert [ours.tokens(r) for r in (0, 1)] == [theirs.tokens(r) for r in (0, 1)]
     assert [len(ours.tokens(r)) for r in (0, 1)] == [5, 7]
+    sidecar.wait_for_events("request end", lambda ends: len(ends) >= ended + 4)
     assert len(sidecar.events("request end")) - ended == 4
     whole = grpcclient.InferenceServerClient(sidecar.url).infer(
         "tensorrt_llm", make_inputs({**two, "streaming": np.asarray([[False], [False]])})
