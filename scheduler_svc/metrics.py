@@ -240,12 +240,27 @@ def _queue(stats: SchedulerStats) -> Iterator[Metric]:
         "The lane's declared bound on waiting before promotion (aging).",
         labels=["lane"],
     )
+    predicted = GaugeMetricFamily(
+        "scheduler_svc_lane_predicted_wait_seconds",
+        "What an arrival now would wait, from the lane's learned drain rate (absent until "
+        "learned); predictive admission refuses past the time the lane allows.",
+        labels=["lane"],
+    )
+    drain = GaugeMetricFamily(
+        "scheduler_svc_lane_drain_tokens_per_second",
+        "The lane's learned drain rate: prompt + output tokens completed per busy second.",
+        labels=["lane"],
+    )
     for lane in stats.lanes:
         depth.add_metric([lane.name], lane.queued)
         oldest.add_metric([lane.name], lane.oldest_wait_s)
         if lane.max_wait_s is not None:
             bound.add_metric([lane.name], lane.max_wait_s)
-    yield from (depth, oldest, bound)
+        if lane.predicted_wait_s is not None:
+            predicted.add_metric([lane.name], lane.predicted_wait_s)
+        if lane.drain_tokens_per_s is not None:
+            drain.add_metric([lane.name], lane.drain_tokens_per_s)
+    yield from (depth, oldest, bound, predicted, drain)
 
 
 def _kv(stats: SchedulerStats) -> Iterator[Metric]:

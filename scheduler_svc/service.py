@@ -401,11 +401,18 @@ class GenerationService:
 
     def _expired(self, decision: Expired, run: _Run, queue_timeout: float | None) -> RequestError:
         waited = f"waited {run.queue_ms:.0f} ms in the sidecar queue ({decision.lane} lane)"
-        retry = self.cfg.queue.retry_after_s
+        # The policy's predicted wait where its lane has learned a drain rate; else the fixed one.
+        retry = decision.retry_after_s or self.cfg.queue.retry_after_s
         if decision.reason == ExpireReason.NO_FALLBACK:
             return OverloadedError(
-                f"{waited}, past its queue timeout, and no fallback backend or shorter "
-                "max_tokens is configured to degrade to",
+                f"{waited}, past its queue timeout, with no fallback backend, shorter "
+                "max_tokens or lower lane to degrade to",
+                retry,
+            )
+        if decision.reason == ExpireReason.PREDICTED_LATE:
+            return OverloadedError(
+                f"{waited}, past its queue timeout; the lower lane it would join is predicted "
+                f"to start it in about {retry * 1000:.0f} ms, later than it may wait",
                 retry,
             )
         if decision.reason == ExpireReason.REQUEUE_LIMIT:

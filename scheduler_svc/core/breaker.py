@@ -1,7 +1,9 @@
 """The circuit breaker: while one lane's backlog is too deep, demote part of another's arrivals.
 
-It opens when the watched backlog exceeds `open_above` and closes only once the backlog is below
-`close_below` and it has been open `min_open_s` (hysteresis, so it does not flap). While open,
+It opens when the watched backlog exceeds `open_above`, or when an arrival in the watched lane
+is predicted to wait past that lane's queue timeout (`late`: the lane's learned drain rate says
+so, whatever the count), and closes only once the backlog is below `close_below`, nothing is
+predicted late, and it has been open `min_open_s` (hysteresis, so it does not flap). While open,
 a running credit demotes exactly `demote_fraction` of the demoted lane's arrivals, spread evenly.
 
 Invariant: 0 <= credit < 1 between calls; opens and closes alternate.
@@ -20,14 +22,16 @@ class Breaker:
         self.times_opened = 0
         self._credit = 0.0
 
-    def update(self, backlog: int, now: float) -> bool:
-        """Feed the watched lane's backlog; True if the breaker changed state."""
+    def update(self, backlog: int, now: float, late: bool = False) -> bool:
+        """Feed the watched lane's backlog (and whether its arrivals are predicted to start past
+        its timeout); True if the breaker changed state."""
         cfg = self.config
-        if not self.is_open and backlog > cfg.open_above:
+        if not self.is_open and (backlog > cfg.open_above or late):
             self.is_open, self.opened_at, self._credit = True, now, 0.0
             self.times_opened += 1
             return True
-        if self.is_open and backlog < cfg.close_below and now - self.opened_at >= cfg.min_open_s:
+        settled = backlog < cfg.close_below and not late
+        if self.is_open and settled and now - self.opened_at >= cfg.min_open_s:
             self.is_open = False
             return True
         return False

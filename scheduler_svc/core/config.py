@@ -7,10 +7,15 @@ unknown keys.
 
 Defaults (DESIGN.md, "Priority lanes by token length"):
     lane  prompt tokens  share  max batch  queue timeout  on timeout
-    hot   < 256          40 %   16         100 ms         degrade at once
+    hot   < 256          40 %   16         100 ms         degrade at once (fallback backend,
+                                                            shorter answer, else the warm lane)
     warm  256-1023       45 %   32         500 ms         wait again, up to 2 times
     cold  >= 1024        15 %   8          none           elastic pool, else keep waiting
 SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16 tokens a block.
+Predictive admission on: a lane refuses at arrival what its learned drain rate says cannot
+start within the time the lane allows (its timeouts, requeues and degrade chain) or the
+request's deadline. The lane timers are the document's A100 numbers: scale them to the engine
+in use (docs/policy.md, "Timers and the engine").
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 class OnTimeout(StrEnum):
     """What happens to a request still queued when its lane's queue timeout fires."""
 
-    DEGRADE = "degrade"  # hot: the fallback backend, or a smaller max_tokens, or reject
+    DEGRADE = "degrade"  # hot: the fallback backend, or a smaller max_tokens, or the next lane
     REQUEUE = "requeue"  # warm: wait again, up to max_requeues, then reject
     ELASTIC = "elastic"  # cold: hand to the elastic pool if configured, else keep waiting
 
@@ -156,6 +161,27 @@ class PredictConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """Predictive admission (core/admission.py): refuse at arrival what cannot start in time."""
+
+    enabled: bool = True
+    half_life_s: float = 10.0  # busy time over which a lane's drain rate is averaged
+    min_busy_s: float = 0.5  # busy time seen before a lane's rate is trusted
+    min_completions: int = 8  # completions seen before a lane's rate is trusted
+    margin: float = 1.0  # refuse when the predicted wait exceeds margin x the time allowed
+
+    def validate(self) -> None:
+        _check(0.1 <= self.half_life_s <= 3600, "admission.half_life_s", "must be in [0.1, 3600]")
+        _check(0 <= self.min_busy_s <= 3600, "admission.min_busy_s", "must be in [0, 3600]")
+        _check(
+            1 <= self.min_completions <= 100_000,
+            "admission.min_completions",
+            "must be in [1, 100000]",
+        )
+        _check(0.1 <= self.margin <= 100, "admission.margin", "must be in [0.1, 100]")
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """Everything the policy scheduler decides by."""
 
@@ -163,6 +189,7 @@ class PolicyConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     kv: KvConfig = field(default_factory=KvConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     quantum_tokens: int = 8192  # token budget handed out per deficit-round-robin round
     max_queued: int | None = None  # requests waiting in all lanes together; None: lane caps only
     degrade_backend: bool = False  # a fallback backend exists for timed-out hot requests
@@ -178,6 +205,10 @@ class PolicyConfig:
     # batches there as the engine runs at once (its instances): each engine batch is then one
     # ratio-bounded bucket, and while the engine is busy the buckets fill.
     max_batches_in_flight: int | None = None
+    # Prompt tokens the engine takes in one step (its max_num_tokens); None: no prefill shares.
+    # While another lane has work waiting, a lane's prompt tokens dispatched and not yet
+    # prefilled (no first token) stay within its share of this budget, or one request.
+    prefill_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.lanes) >= 1, "lanes", "need at least one lane")
@@ -194,6 +225,7 @@ class PolicyConfig:
             _check(value in names, f"breaker.{key}", f"unknown lane {value!r}")
         self.kv.validate()
         self.predict.validate()
+        self.admission.validate()
         _check(1 <= self.quantum_tokens <= 1 << 30, "quantum_tokens", "must be in [1, 2**30]")
         _check(
             self.max_queued is None or 0 <= self.max_queued <= 1_000_000,
@@ -211,6 +243,11 @@ class PolicyConfig:
             "max_batches_in_flight",
             "must be in [1, 4096] or null",
         )
+        _check(
+            self.prefill_budget_tokens is None or 1 <= self.prefill_budget_tokens <= 1 << 24,
+            "prefill_budget_tokens",
+            "must be in [1, 2**24] or null",
+        )
 
     def lane(self, name: str) -> LaneConfig:
         for lane in self.lanes:
@@ -219,7 +256,12 @@ class PolicyConfig:
         raise KeyError(name)
 
 
-_NESTED: dict[str, type] = {"breaker": BreakerConfig, "kv": KvConfig, "predict": PredictConfig}
+_NESTED: dict[str, type] = {
+    "breaker": BreakerConfig,
+    "kv": KvConfig,
+    "predict": PredictConfig,
+    "admission": AdmissionConfig,
+}
 _ENUMS: dict[str, type[StrEnum]] = {"on_timeout": OnTimeout, "mode": KvMode}
 
 

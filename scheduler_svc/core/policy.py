@@ -2,12 +2,21 @@
 
 `submit` classifies a request into a lane (its prompt length, or the lane the client pinned;
 the circuit breaker may demote it one lane), predicts its output and either queues it in a
-length bucket or rejects it at once with a reason and a retry hint. `schedule(now)` then, in
+length bucket or rejects it at once with a reason and a retry hint. Predictive admission
+(core/admission.py) rejects at once what the lane's learned drain rate says could not start
+within the time the lane allows (`allowed_wait`: its timeouts and requeues, plus the lower
+lane's where it degrades into one) or before the request's deadline; the hint is that wait.
+A hot request past its timeout with no fallback backend and no shorter max_tokens joins the
+next lane down (keeping its arrival time for aging), unless that lane is predicted to start it
+too late. `schedule(now)` then, in
 this order: fires due timers (bucket release, lane timeouts with each lane's action, client
 deadlines, aging), settles KV growth owed to requests that outran their prediction, dispatches
 buckets holding promoted requests oldest-first (if one cannot fit, nothing else goes: the freed
 capacity is kept for it), and finally shares what is left between lanes by deficit round robin
 on tokens (prompt + predicted output), work-conserving: a lane with nothing ready lends its share.
+With `prefill_budget_tokens` on an in-flight engine, shares bound prefill too: while another
+lane has work waiting, a lane's prompt tokens in the engine without a first token yet stay
+within its share of one step's budget (or one request, so no prompt is too long to go).
 A bucket goes whole (up to its lane's max batch) once the KV mirror and the backend's sequence
 limit can hold it; it goes in part only when nothing is running, or when it holds a promoted
 request. For an engine with continuous (in-flight) batching (`continuous_batching`), buckets are
@@ -26,7 +35,10 @@ Invariants (tests/unit/test_policy.py's state machine):
   it needs is free, unless an older overdue request is waiting for more (freed capacity is kept
   for the oldest: that is what stops a large request from starving);
 - each lane's queue stays within its cap;
-- primary batches with a member in flight never exceed `max_batches_in_flight`.
+- primary batches with a member in flight never exceed `max_batches_in_flight`;
+- a request is refused for a predicted wait only with work queued ahead of it in its lane
+  (an idle lane predicts 0) and with that wait, > 0, as its hint; the queued tokens a lane's
+  prediction divides and its unprefilled prompt tokens are exactly its requests' sums.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from scheduler_svc.core.admission import DrainRate
 from scheduler_svc.core.breaker import Breaker
 from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
@@ -70,13 +83,16 @@ EVENTS = (
     "elastic",
     "degraded_backend",
     "degraded_max_tokens",
+    "degraded_lane",
     "expired_queue_timeout",
     "expired_no_fallback",
     "expired_requeue_limit",
+    "expired_predicted_late",
     "rejected_queue_full",
     "rejected_too_large",
     "rejected_duplicate_request_id",
     "rejected_unknown_lane",
+    "rejected_predicted_late",
     "cancelled",
     "reconfigured",
 )
@@ -95,6 +111,7 @@ class _InFlight:
     target: Target
     batch_id: int = 0
     mispredicted: bool = False
+    prefilling: bool = False  # dispatched, no first token yet (counts against prefill shares)
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,10 @@ class PolicyScheduler:
         )
         self._rows_in_flight = 0
         self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
+        self.drain = {lane.name: DrainRate(config.admission) for lane in config.lanes}
+        self.pooled_drain = DrainRate(config.admission)  # every lane's completions together
+        self._queued_tokens = dict.fromkeys(self.lanes, 0)  # cost tokens waiting per lane
+        self._prefill_tokens = dict.fromkeys(self.lanes, 0)  # prompt tokens not yet prefilled
         self._now = 0.0
 
     # -- arrivals ----------------------------------------------------------------------------
@@ -155,7 +176,7 @@ class PolicyScheduler:
                 rid, RejectReason.UNKNOWN_LANE, f"unknown lane {request.lane!r} (lanes: {known})"
             )
         lane = request.lane or self.classify(request)
-        self.breaker.update(len(self.lanes[self.config.breaker.watch_lane]), now)
+        self._update_breaker(now)
         if (
             request.lane is None
             and lane == self.config.breaker.demote_lane
@@ -167,13 +188,34 @@ class PolicyScheduler:
         predicted = self.predictor.predict(request.tenant, lane, max_tokens)
         if self.mirror.need(request.prompt_tokens, predicted) > self.mirror.total_blocks:
             return self._too_large(request, lane, max_tokens, predicted)
+        late = self._late(lane, request.queue_deadline, now)
+        lower = self._lower(lane) if self._degrades_to_lower_lane(lane) else None
+        degraded = False
+        if (
+            late is not None
+            and lower is not None
+            and self._late(lower, request.queue_deadline, now) is None
+        ):
+            # Its own lane would start it past its timeout, the lower one in time: it joins
+            # the lower class at once, as it would on its timeout.
+            lane, late, degraded = lower, None, True
+        if late is not None:
+            wait, allowed = late
+            return self._reject(
+                rid,
+                RejectReason.PREDICTED_LATE,
+                f"lane {lane!r} would start it in about {wait * 1000:.0f} ms at the rate it "
+                f"drains ({self.drain_rate(lane) or 0:.0f} tokens/s); it may wait "
+                f"{allowed * 1000:.0f} ms",
+                wait,
+            )
         cap = self.config.max_queued
         if cap is not None and len(self._queued) >= cap:
             return self._reject(
                 rid,
                 RejectReason.QUEUE_FULL,
                 f"the sidecar queue is full ({cap} waiting)",
-                self.config.retry_after_s,
+                self._retry_hint(lane),
             )
         queue = self.lanes[lane]
         if len(queue) >= queue.config.max_queued:
@@ -181,20 +223,118 @@ class PolicyScheduler:
                 rid,
                 RejectReason.QUEUE_FULL,
                 f"lane {lane!r} is full ({queue.config.max_queued} waiting)",
-                self.config.retry_after_s,
+                self._retry_hint(lane),
             )
         entry = Entry(request, next(self._seq), now, now, predicted, max_tokens)
         self._enqueue(lane, entry, now)
-        if request.queue_deadline is not None:
-            self._timer(request.queue_deadline, _Timer(_DEADLINE, lane, rid, -1))
-        if queue.config.max_wait_s is not None:
-            self._timer(now + queue.config.max_wait_s, _Timer(_AGING, lane, rid, -1))
+        self._lane_timers(lane, entry)
+        self._settle_busy(now)
+        if degraded:
+            self.counters["degraded_lane"] += 1
         return Admitted(rid)
+
+    def _lane_timers(self, lane: str, entry: Entry) -> None:
+        """The deadline and aging timers of a request entering `lane` (aging from arrival)."""
+        rid, deadline = entry.request_id, entry.request.queue_deadline
+        if deadline is not None:
+            self._timer(deadline, _Timer(_DEADLINE, lane, rid, -1))
+        max_wait = self.lanes[lane].config.max_wait_s
+        if max_wait is not None and not entry.promoted:
+            self._timer(entry.arrived_at + max_wait, _Timer(_AGING, lane, rid, -1))
+
+    # -- predictive admission ----------------------------------------------------------------
+
+    def _busy(self, lane: str | None) -> bool:
+        """The lane's requests (any lane's, for None) wait while others run: the engine sets
+        the pace then."""
+        queued = len(self._queued) if lane is None else self._queued_tokens[lane]
+        return queued > 0 and self._rows_in_flight > 0
+
+    def _settle_busy(self, now: float) -> None:
+        for name, drain in self.drain.items():
+            drain.advance(now, self._busy(name))
+        self.pooled_drain.advance(now, self._busy(None))
+
+    def drain_rate(self, lane: str) -> float | None:
+        """The lane's learned drain rate (tokens per busy second), or, for a lane never busy
+        long enough to learn one, the whole engine's: a lane alone drains no faster than all
+        lanes together, so a wait predicted from it is never too long."""
+        return self.drain[lane].rate() or self.pooled_drain.rate()
+
+    def predicted_wait(self, lane: str) -> float | None:
+        """Seconds an arrival in `lane` now would wait for the work queued ahead of it to
+        drain, at the lane's drain rate; None while no rate is known."""
+        ahead = self._queued_tokens[lane]
+        if ahead <= 0:
+            return 0.0
+        rate = self.drain_rate(lane)
+        return None if rate is None else ahead / rate
+
+    def allowed_wait(self, lane: str) -> float | None:
+        """The longest a request entering `lane` should wait there: until it would be refused
+        (a requeue lane: its timeout times its waits) or lose its class (a degrade lane: its
+        timeout). None: waiting never costs it either (it goes to a fallback or elastic
+        backend, gets a shorter answer, or keeps waiting)."""
+        cfg = self.lanes[lane].config
+        timeout = cfg.queue_timeout_s
+        if timeout is None or cfg.on_timeout is OnTimeout.ELASTIC:
+            return None
+        if cfg.on_timeout is OnTimeout.REQUEUE:
+            return timeout * (cfg.max_requeues + 1)
+        if self.config.degrade_backend or self.config.degrade_max_tokens is not None:
+            return None
+        return timeout
+
+    def _degrades_to_lower_lane(self, lane: str) -> bool:
+        """Whether a timed-out request of `lane` joins the next lane down."""
+        return (
+            self.lanes[lane].config.on_timeout is OnTimeout.DEGRADE
+            and self.lanes[lane].config.queue_timeout_s is not None
+            and not self.config.degrade_backend
+            and self.config.degrade_max_tokens is None
+            and self._lower(lane) is not None
+        )
+
+    def _lower(self, lane: str) -> str | None:
+        names = [lane_cfg.name for lane_cfg in self.config.lanes]
+        index = names.index(lane)
+        return names[index + 1] if index + 1 < len(names) else None
+
+    def _late(self, lane: str, deadline: float | None, now: float) -> tuple[float, float] | None:
+        """(predicted wait, time allowed) when a request entering `lane` now is predicted to
+        start too late for the lane or for its deadline; None when it may be admitted."""
+        if not self.config.admission.enabled:
+            return None
+        wait = self.predicted_wait(lane)
+        if wait is None:
+            return None
+        allowed = self.allowed_wait(lane)
+        if deadline is not None:
+            left = max(0.0, deadline - now)
+            allowed = left if allowed is None else min(allowed, left)
+        if allowed is None or wait <= allowed * self.config.admission.margin:
+            return None
+        return wait, allowed
+
+    def _retry_hint(self, lane: str) -> float:
+        """When to retry: the lane's predicted wait where it is known, else the fixed hint."""
+        wait = self.predicted_wait(lane)
+        return self.config.retry_after_s if wait is None else max(wait, 0.001)
+
+    def _update_breaker(self, now: float) -> None:
+        """Feed the breaker the watched lane's backlog, and whether an arrival there now would
+        wait past the lane's queue timeout (the predicted wait opens it before the count)."""
+        watch = self.config.breaker.watch_lane
+        wait = self.predicted_wait(watch)
+        timeout = self.lanes[watch].config.queue_timeout_s
+        late = wait is not None and timeout is not None and wait > timeout
+        self.breaker.update(len(self.lanes[watch]), now, late)
 
     def _enqueue(self, lane: str, entry: Entry, now: float) -> None:
         queue = self.lanes[lane]
         bucket = queue.add(entry, now)
         self._queued[entry.request_id] = (lane, entry)
+        self._queued_tokens[lane] += entry.cost_tokens
         if self.config.continuous_batching:
             queue.mark_ready(bucket)
         elif len(bucket.members) == 1 and not bucket.ready:
@@ -239,13 +379,15 @@ class PolicyScheduler:
         try:
             self.mirror.forget_stale(now)
             self._fire_timers(now, out)
-            self.breaker.update(len(self.lanes[self.config.breaker.watch_lane]), now)
+            self._update_breaker(now)
             self.mirror.settle_shortfalls()
             if not self._dispatch_promoted(out):
                 self._dispatch_fair(out)
         except Exception as exc:  # what was decided stays decided: hand it over
             self.counters["step_failed"] += 1
             raise StepFailedError(out) from exc
+        finally:
+            self._settle_busy(now)
         return out
 
     def _fire_timers(self, now: float, out: list[Decision]) -> None:
@@ -280,15 +422,15 @@ class PolicyScheduler:
                 self._send_elsewhere(lane, entry, Target.DEGRADE, out)
                 self.counters["degraded_backend"] += 1
             elif self.config.degrade_max_tokens is not None:
+                before = entry.cost_tokens
                 entry.max_tokens = min(entry.max_tokens, self.config.degrade_max_tokens)
                 entry.predicted_output = min(entry.predicted_output, entry.max_tokens)
+                self._queued_tokens[lane] += entry.cost_tokens - before
                 if not entry.promoted:
                     self.lanes[lane].promote(entry)
                 self.counters["degraded_max_tokens"] += 1
             else:
-                self._drop(lane, entry)
-                out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane))
-                self.counters["expired_no_fallback"] += 1
+                self._degrade_to_lower_lane(lane, entry, now, out)
         elif action is OnTimeout.REQUEUE:
             if entry.requeues < self.lanes[lane].config.max_requeues:
                 promoted = entry.promoted
@@ -301,17 +443,50 @@ class PolicyScheduler:
                     self.lanes[lane].promote(entry)
                 self.counters["requeued"] += 1
             else:
+                retry = self.predicted_wait(lane)  # the work queued up to and with it
                 self._drop(lane, entry)
-                out.append(Expired(rid, ExpireReason.REQUEUE_LIMIT, lane))
+                out.append(Expired(rid, ExpireReason.REQUEUE_LIMIT, lane, retry))
                 self.counters["expired_requeue_limit"] += 1
         elif self.config.elastic_backend:  # ELASTIC; without a pool the request keeps waiting
             self._drop(lane, entry)
             self._send_elsewhere(lane, entry, Target.ELASTIC, out)
             self.counters["elastic"] += 1
 
+    def _degrade_to_lower_lane(
+        self, lane: str, entry: Entry, now: float, out: list[Decision]
+    ) -> None:
+        """No fallback backend and no shorter answer: the request joins the next lane down,
+        keeping its arrival time (so aging counts from it) and its promotion, with that lane's
+        waits ahead of it; it is refused only where that lane is predicted to start it too
+        late, or where there is no lower lane."""
+        rid, lower = entry.request_id, self._lower(lane)
+        if lower is None:
+            retry = self.predicted_wait(lane)
+            self._drop(lane, entry)
+            out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane, retry))
+            self.counters["expired_no_fallback"] += 1
+            return
+        late = self._late(lower, entry.request.queue_deadline, now)
+        if late is not None:
+            self._drop(lane, entry)
+            out.append(Expired(rid, ExpireReason.PREDICTED_LATE, lane, late[0]))
+            self.counters["expired_predicted_late"] += 1
+            return
+        promoted = entry.promoted
+        self._drop(lane, entry)
+        entry.version += 1
+        entry.requeues = 0
+        entry.enqueued_at = now
+        self._enqueue(lower, entry, now)
+        if promoted:
+            self.lanes[lower].promote(entry)
+        self._lane_timers(lower, entry)
+        self.counters["degraded_lane"] += 1
+
     def _drop(self, lane: str, entry: Entry) -> None:
         self.lanes[lane].remove(entry)
         del self._queued[entry.request_id]
+        self._queued_tokens[lane] -= entry.cost_tokens
 
     def _single(self, rid: str, lane: str, prompt_tokens: int, target: Target) -> Dispatch:
         batch = BatchInfo(next(self._batch_ids), lane, target, 1, (max(1, prompt_tokens),))
@@ -363,8 +538,10 @@ class PolicyScheduler:
         for entry, need in zip(entries, blocks, strict=True):
             rid = entry.request_id
             del self._queued[rid]
+            self._queued_tokens[lane] -= entry.cost_tokens
             self.mirror.reserve(rid, need, entry.prompt_tokens)
             self._rows_in_flight += 1
+            self._prefill_tokens[lane] += entry.prompt_tokens
             self._in_flight[rid] = _InFlight(
                 lane,
                 entry.request.tenant,
@@ -373,6 +550,7 @@ class PolicyScheduler:
                 entry.predicted_output,
                 Target.PRIMARY,
                 batch.batch_id,
+                prefilling=True,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -416,7 +594,7 @@ class PolicyScheduler:
                 {lane: sum(e.cost_tokens for e in head.members) for lane, head in heads.items()}
             )
             head, max_batch = heads[name], self.lanes[name].config.max_batch
-            entries = self._fits(head, max_batch)
+            entries = self._within_prefill_share(name, self._fits(head, max_batch))
             whole = min(len(head.members), max_batch)
             partial = len(entries) < whole and self._rows_in_flight > 0
             if not entries or (partial and not self.config.continuous_batching):
@@ -426,6 +604,26 @@ class PolicyScheduler:
                 blocked.add(name)
                 continue
             self.shares.charge(name, self._release(name, entries, out))
+
+    def _within_prefill_share(self, lane: str, entries: list[Entry]) -> list[Entry]:
+        """On an in-flight engine with a prefill budget, while another lane has work waiting,
+        the longest prefix of `entries` that keeps the lane's prompt tokens not yet prefilled
+        within its share of one engine step's budget. A lane with nothing prefilling may
+        always send one request, so a prompt longer than its share still goes (alone)."""
+        budget = self.config.prefill_budget_tokens
+        if budget is None or not self.config.continuous_batching:
+            return entries
+        if not any(self._queued_tokens[other] for other in self.lanes if other != lane):
+            return entries
+        allowed = self.lanes[lane].config.share * budget
+        used = self._prefill_tokens[lane]
+        kept: list[Entry] = []
+        for entry in entries:
+            if used + entry.prompt_tokens > allowed and (used or kept):
+                break
+            used += entry.prompt_tokens
+            kept.append(entry)
+        return kept
 
     # -- changes while running -------------------------------------------------------------
 
@@ -447,6 +645,8 @@ class PolicyScheduler:
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
         )
         self.predictor.config = config.predict
+        for drain in (*self.drain.values(), self.pooled_drain):
+            drain.config = config.admission
         self.mirror.config = new_kv
         self.counters["reconfigured"] += 1
 
@@ -461,11 +661,24 @@ class PolicyScheduler:
             self.counters["cancelled"] += 1
         elif self._finish(request_id) is not None:
             self.counters["cancelled"] += 1
+        self._settle_busy(now)
 
     def on_done(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
         """A dispatched request ended; learn from its output length and free its blocks."""
         self._now = now
+        flight = self._in_flight.get(request_id)
+        if flight is not None and flight.target is Target.PRIMARY:
+            # Where the interval that just ended was busy, the engine set the pace, so what
+            # completed counts towards the rate its lane (and the engine) drains.
+            used = flight.prompt_tokens + (output_tokens or 0)
+            for drain, busy in (
+                (self.drain[flight.lane], self._busy(flight.lane)),
+                (self.pooled_drain, self._busy(None)),
+            ):
+                if drain.advance(now, busy):
+                    drain.observe(used)
         flight = self._finish(request_id)
+        self._settle_busy(now)
         if flight is None or output_tokens is None:
             return
         if output_tokens > flight.predicted_output and not flight.mispredicted:
@@ -477,6 +690,8 @@ class PolicyScheduler:
         if flight is not None and flight.target is Target.PRIMARY:
             self.mirror.release(request_id)
             self._rows_in_flight -= 1
+            if flight.prefilling:
+                self._prefill_tokens[flight.lane] -= flight.prompt_tokens
             left = self._batch_rows[flight.batch_id] - 1
             if left:
                 self._batch_rows[flight.batch_id] = left
@@ -490,6 +705,9 @@ class PolicyScheduler:
         flight = self._in_flight.get(request_id)
         if flight is None or flight.target is not Target.PRIMARY:
             return
+        if flight.prefilling and output_tokens > 0:
+            flight.prefilling = False
+            self._prefill_tokens[flight.lane] -= flight.prompt_tokens
         used = flight.prompt_tokens + output_tokens
         self.mirror.progress(request_id, used, flight.prompt_tokens + flight.max_tokens)
         if output_tokens > flight.predicted_output and not flight.mispredicted:
@@ -544,6 +762,8 @@ class PolicyScheduler:
                     queue.config.max_queued,
                     max(0.0, self._now - oldest),
                     queue.config.max_wait_s,
+                    self.predicted_wait(name),
+                    self.drain_rate(name),
                 )
             )
         mirror = self.mirror

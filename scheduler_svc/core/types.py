@@ -22,6 +22,9 @@ class RejectReason(StrEnum):
     DUPLICATE = "duplicate_request_id"
     TOO_LARGE = "too_large"
     UNKNOWN_LANE = "unknown_lane"
+    # Its lane's learned drain rate says it could not start within the time the lane allows
+    # (or before the request's own deadline): refused at once instead of late.
+    PREDICTED_LATE = "predicted_late"
 
 
 class ExpireReason(StrEnum):
@@ -30,6 +33,8 @@ class ExpireReason(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     NO_FALLBACK = "hot_timeout_no_fallback"
     REQUEUE_LIMIT = "requeue_limit"
+    # Past its lane's timeout, and the lower lane it would join could not start it in time.
+    PREDICTED_LATE = "predicted_late"
 
 
 class Target(StrEnum):
@@ -113,6 +118,8 @@ class Expired:
     request_id: str
     reason: ExpireReason
     lane: str = ""
+    # When a retry could start, as the lane's drain rate predicts; None: no prediction.
+    retry_after_s: float | None = None
 
 
 Decision = Dispatch | Expired
@@ -136,6 +143,10 @@ class LaneStats:
     oldest_wait_s: float
     # The lane's declared bound on waiting before promotion (aging); None: no bound.
     max_wait_s: float | None
+    # What an arrival now would wait, from the lane's learned drain rate; None: not learned.
+    predicted_wait_s: float | None = None
+    # The lane's learned drain rate (prompt + output tokens per busy second); None: not yet.
+    drain_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)

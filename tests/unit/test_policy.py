@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_svc.core.bucketing import Entry
 from scheduler_svc.core.config import (
+    AdmissionConfig,
+    BreakerConfig,
     KvConfig,
     KvMode,
     LaneConfig,
@@ -98,14 +101,163 @@ def test_batches_keep_the_length_ratio_and_join_where_padding_is_least() -> None
         assert max(lengths) <= 1.5 * min(lengths)
 
 
-def test_hot_timeout_without_a_fallback_rejects_with_a_reason() -> None:
+def test_hot_timeout_without_a_fallback_joins_the_warm_lane_keeping_its_age() -> None:
     config = PolicyConfig(kv=KvConfig(total_blocks=16, max_in_flight=1))
+    policy = PolicyScheduler(config)
+    policy.submit(req("running", 100), 0.0)
+    assert dispatched(policy.schedule(0.05)) == ["running"]
+    policy.submit(req("waiting", 100), 0.06)
+    assert policy.schedule(0.159) == [] and policy.queued_ids() == {"waiting": "hot"}
+    assert policy.schedule(0.16) == [] and policy.queued_ids() == {"waiting": "warm"}
+    assert dict(policy.stats().counters)["degraded_lane"] == 1
+    entry = policy.lanes["warm"].entries["waiting"]
+    assert entry.arrived_at == 0.06 and not entry.promoted
+    # The warm lane's own waits: 0.5 s, twice more, then a refusal; its aging bound (1 s)
+    # counts from the request's arrival in the hot lane.
+    assert policy.schedule(0.66) == [] and entry.requeues == 1
+    policy.schedule(1.059)
+    assert not entry.promoted
+    policy.schedule(1.06)
+    assert entry.promoted
+    assert policy.schedule(1.17) == [] and entry.requeues == 2
+    assert policy.schedule(1.68) == [Expired("waiting", ExpireReason.REQUEUE_LIMIT, "warm")]
+
+
+def test_with_no_lower_lane_a_hot_timeout_rejects_with_a_reason() -> None:
+    hot = replace(default_lanes()[0], max_wait_s=None)
+    config = PolicyConfig(
+        lanes=(hot,),
+        kv=KvConfig(total_blocks=16, max_in_flight=1),
+        breaker=BreakerConfig(watch_lane="hot", demote_lane="hot", to_lane="hot"),
+    )
     policy = PolicyScheduler(config)
     policy.submit(req("running", 100), 0.0)
     assert dispatched(policy.schedule(0.05)) == ["running"]
     policy.submit(req("waiting", 100), 0.06)
     assert policy.schedule(0.159) == []
     assert policy.schedule(0.16) == [Expired("waiting", ExpireReason.NO_FALLBACK, "hot")]
+
+
+def _one_at_a_time() -> PolicyConfig:
+    return PolicyConfig(kv=KvConfig(total_blocks=4096, max_in_flight=1), continuous_batching=True)
+
+
+def _learn_hot_rate(policy: PolicyScheduler, now: float) -> float:
+    """Keep the hot lane busy: a 64-token request (prompt 36, max_tokens 28, all 28 used)
+    completes every 50 ms while the next one waits: 1280 tokens per busy second."""
+    policy.submit(req("learn", 36, max_tokens=28), now)
+    policy.schedule(now)
+    for i in range(12):
+        policy.submit(req(f"learn{i}", 36, max_tokens=28), now)
+        now += 0.05
+        [running] = list(policy.in_flight_ids())
+        policy.on_done(running, now, 28)
+        policy.schedule(now)
+    for rid in list(policy.queued_ids()) + list(policy.in_flight_ids()):
+        policy.cancel(rid, now)
+    return now
+
+
+def test_predictive_admission_degrades_or_refuses_at_once_what_cannot_start_in_time() -> None:
+    policy = PolicyScheduler(_one_at_a_time())
+    assert policy.predicted_wait("hot") == 0.0  # nothing queued: nothing to wait for
+    assert policy.drain["hot"].rate() is None  # nothing learned yet
+    now = _learn_hot_rate(policy, 0.0)
+    rate = policy.drain["hot"].rate()
+    assert rate is not None and abs(rate - 1280) < 1
+    assert policy.drain["warm"].rate() is None
+    assert policy.drain_rate("warm") == policy.pooled_drain.rate()  # borrowed from the engine
+    # Hot may wait its 100 ms (then it would join warm); warm may wait 3 x 500 ms.
+    assert policy.allowed_wait("hot") == 0.1
+    assert policy.allowed_wait("warm") == 1.5 and policy.allowed_wait("cold") is None
+    policy.submit(req("running", 72, max_tokens=28), now)
+    policy.schedule(now)
+    verdicts = [policy.submit(req(f"q{i}", 72, max_tokens=28), now) for i in range(25)]
+    # 100 tokens each at 1280 tokens/s: 78 ms per request ahead. Hot takes two (0 and 78 ms
+    # ahead); the next ones would start past hot's 100 ms, so they join warm at once while
+    # warm can start them within its 1.5 s (0 to 19 ahead); the rest are refused at once.
+    lanes = policy.queued_ids()
+    assert [lanes.get(f"q{i}") for i in range(22)] == ["hot"] * 2 + ["warm"] * 20
+    refused = [v for v in verdicts if isinstance(v, Rejected)]
+    assert len(refused) == 3 and dict(policy.stats().counters)["degraded_lane"] == 20
+    first = refused[0]
+    assert first.reason is RejectReason.PREDICTED_LATE
+    assert first.retry_after_s == pytest.approx(2 * 100 / 1280, rel=1e-3)
+    assert "156 ms" in first.message and "100 ms" in first.message
+    # A request's own deadline bounds its wait too.
+    verdict = policy.submit(req("soon", 72, max_tokens=28, queue_deadline=now + 0.05), now)
+    assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.PREDICTED_LATE
+    later = policy.submit(req("cold", 2000, queue_deadline=now + 0.05), now)
+    assert isinstance(later, Admitted)  # nothing queued ahead of it in the cold lane
+
+
+def test_predicted_lateness_opens_the_breaker_before_the_backlog_count() -> None:
+    policy = PolicyScheduler(_one_at_a_time())
+    now = _learn_hot_rate(policy, 0.0)
+    policy.submit(req("running", 100, max_tokens=28), now)
+    policy.schedule(now)
+    for i in range(2):
+        policy.submit(req(f"q{i}", 100, max_tokens=28), now)
+    # 0.2 s queued ahead in hot, past its 100 ms: open at the next arrival, with 2 waiting
+    # where the count alone would wait for 51 (that arrival itself joins warm).
+    assert not policy.stats().breaker_open
+    policy.submit(req("q2", 100, max_tokens=28), now)
+    assert policy.stats().breaker_open and len(policy.lanes["hot"]) == 2
+
+
+def test_a_degraded_request_is_refused_when_the_lower_lane_cannot_start_it_in_time() -> None:
+    policy = PolicyScheduler(_one_at_a_time())
+    now = _learn_hot_rate(policy, 0.0)
+    # Teach the warm lane 800 tokens per busy second: 360 tokens every 0.45 s.
+    policy.submit(req("w", 300, max_tokens=60), now)
+    policy.schedule(now)
+    for i in range(12):
+        policy.submit(req(f"w{i}", 300, max_tokens=60), now)
+        now += 0.45
+        [running] = list(policy.in_flight_ids())
+        policy.on_done(running, now, 60)
+        policy.schedule(now)
+    assert abs((policy.drain["warm"].rate() or 0) - 800) < 1
+    # Four warm requests queued behind the running one: 4 x 0.45 s = 1.8 s ahead, past the
+    # 1.5 s the warm lane allows.
+    for i in range(4):
+        assert isinstance(policy.submit(req(f"x{i}", 300, max_tokens=60), now), Admitted)
+    assert policy.predicted_wait("warm") == pytest.approx(4 * 360 / 800)
+    verdict = policy.submit(req("x4", 300, max_tokens=60), now)
+    assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.PREDICTED_LATE
+    # A hot request that times out would join warm there: refused, with the honest wait.
+    policy.submit(req("h", 100, max_tokens=28), now)
+    decisions = policy.schedule(now + 0.1)
+    [expired] = decisions
+    assert isinstance(expired, Expired) and expired.request_id == "h"
+    assert (expired.reason, expired.lane) == (ExpireReason.PREDICTED_LATE, "hot")
+    assert expired.retry_after_s == pytest.approx(1.8)
+    assert dict(policy.stats().counters)["expired_predicted_late"] == 1
+
+
+def test_prefill_shares_bound_a_lanes_unprefilled_prompt_tokens_while_others_wait() -> None:
+    config = PolicyConfig(
+        kv=KvConfig(total_blocks=100_000, max_in_flight=64),
+        continuous_batching=True,
+        prefill_budget_tokens=1000,
+    )
+    policy = PolicyScheduler(config)
+    for i in range(5):
+        policy.submit(req(f"h{i}", 200), 0.0)
+    for i in range(3):
+        policy.submit(req(f"c{i}", 1100), 0.0)
+    # hot: 40 % of 1000 = 400 tokens (two 200-token prompts); cold: 15 % = 150, but a lane
+    # with nothing prefilling may always send one request.
+    assert sorted(dispatched(policy.schedule(0.0))) == ["c0", "h0", "h1"]
+    assert dispatched(policy.schedule(0.01)) == []
+    policy.on_progress("h0", 1, 0.02)  # h0's first token: its prompt is prefilled
+    assert dispatched(policy.schedule(0.02)) == ["h2"]
+    policy.on_progress("c0", 1, 0.03)
+    assert dispatched(policy.schedule(0.03)) == ["c1"]
+    for rid in ("h1", "h2"):
+        policy.on_progress(rid, 1, 0.04)
+    # h3 and h4 go; then nothing else waits, and the cold lane sends the rest at once.
+    assert dispatched(policy.schedule(0.04)) == ["h3", "h4", "c2"]
 
 
 def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:
@@ -342,7 +494,10 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         lanes = tuple(replace(lane, max_queued=12) for lane in default_lanes())
         self.config = PolicyConfig(
-            lanes=lanes, kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8)
+            lanes=lanes,
+            kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8),
+            # Learn drain rates quickly, so predictive admission acts within a run.
+            admission=AdmissionConfig(min_busy_s=0.05, min_completions=1),
         )
         self.policy = PolicyScheduler(self.config)
         self.now = 0.0
@@ -362,11 +517,16 @@ class PolicyMachine(RuleBasedStateMachine):
         rid = f"r{self.n}"
         self.n += 1
         when = None if deadline is None else self.now + deadline
+        queued_before = self.policy.stats().queued
         verdict = self.policy.submit(
             Request(rid, prompt, max_tokens, tenant=tenant, queue_deadline=when), self.now
         )
         if isinstance(verdict, Rejected):
             self.ends[rid] = "rejected"
+            if verdict.reason is RejectReason.PREDICTED_LATE:
+                # Refused for a predicted wait only with work queued ahead, and the hint is
+                # that wait: never at an idle sidecar, never with a zero hint.
+                assert queued_before > 0 and verdict.retry_after_s > 0
         else:
             self.admitted.add(rid)
 
@@ -379,6 +539,8 @@ class PolicyMachine(RuleBasedStateMachine):
             assert rid in self.admitted and rid not in self.ends and rid not in self.in_flight
             if isinstance(decision, Expired):
                 self.ends[rid] = "expired"
+                if decision.reason is ExpireReason.PREDICTED_LATE:
+                    assert decision.retry_after_s is not None and decision.retry_after_s > 0
                 continue
             assert decision.batch is not None
             lane = self.config.lane(decision.lane)
@@ -425,10 +587,17 @@ class PolicyMachine(RuleBasedStateMachine):
                 ]
                 assert blocked_older, f"{entry.request_id} overdue with room free"
 
-    @rule(continuous=st.booleans(), batches=st.sampled_from([None, 1, 2]))
-    def engine_batching(self, continuous: bool, batches: int | None) -> None:
+    @rule(
+        continuous=st.booleans(),
+        batches=st.sampled_from([None, 1, 2]),
+        prefill=st.sampled_from([None, 200, 2000]),
+    )
+    def engine_batching(self, continuous: bool, batches: int | None, prefill: int | None) -> None:
         self.config = replace(
-            self.config, continuous_batching=continuous, max_batches_in_flight=batches
+            self.config,
+            continuous_batching=continuous,
+            max_batches_in_flight=batches,
+            prefill_budget_tokens=prefill,
         )
         self.policy.reconfigure(self.config, self.now)
 
@@ -487,6 +656,21 @@ class PolicyMachine(RuleBasedStateMachine):
             mirror.reserved_blocks + mirror.external_blocks + mirror.free_blocks
             == mirror.total_blocks + mirror.overcommit_blocks
         )
+
+    @invariant()
+    def running_sums_match_the_requests(self) -> None:
+        # The queued work each lane's prediction divides, and the prompt tokens each lane has
+        # in the engine unprefilled (its prefill share), are the requests' own sums.
+        policy = self.policy
+        for name, queue in policy.lanes.items():
+            assert policy._queued_tokens[name] == sum(e.cost_tokens for e in queue.entries.values())
+            assert policy._prefill_tokens[name] == sum(
+                f.prompt_tokens
+                for f in policy._in_flight.values()
+                if f.lane == name and f.prefilling and f.target is Target.PRIMARY
+            )
+            rate = policy.drain[name].rate()
+            assert rate is None or rate > 0
 
     @invariant()
     def every_counted_event_is_a_known_label(self) -> None:

@@ -1,0 +1,62 @@
+"""Predictive admission: how long a request would wait, from the rate its lane really drains.
+
+Each lane learns its drain rate online: tokens (prompt + output) of the lane's requests that
+completed, per second of the lane's *busy* time, that is time when the lane had requests
+waiting in the sidecar while the engine ran others (the engine, not the arrivals, set the pace
+then; an idle lane's completions say nothing of what it could drain). Both sums decay with
+busy time (half-life `half_life_s`), so the rate follows a changing engine or mix, and idle
+spells forget nothing. The rate is trusted after `min_busy_s` of busy time and
+`min_completions` completions; before that the lane makes no prediction and admission falls
+back to the lane caps and timers.
+
+The policy predicts the wait ahead of a new request as the queued work of its lane (tokens:
+prompt + predicted output) over that rate. Measured per lane, the rate already carries the
+lane's share of the engine, the other lanes' pressure and the engine's speed on this mix, so no
+model of the engine is needed. A lane not yet learned borrows the rate of the whole engine
+(every lane's completions over time when any lane waited), which no single lane can beat, so
+the borrowed prediction errs short, towards admitting.
+
+Invariants: rates are finite and > 0 once trusted; sums are >= 0.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.core.config import AdmissionConfig
+
+
+class DrainRate:
+    """One lane's tokens per busy second, exponentially weighted by busy time."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self.tokens = 0.0
+        self.busy_s = 0.0
+        self.completions = 0
+        self._last: float | None = None
+        self._busy = False
+
+    def advance(self, now: float, busy: bool) -> bool:
+        """Time passes to `now`; `busy` is the lane's state from now on. Returns whether the
+        interval that just ended was busy."""
+        was = self._busy
+        if self._last is not None and was and now > self._last:
+            dt = now - self._last
+            decay = 0.5 ** (dt / self.config.half_life_s)
+            self.tokens *= decay
+            self.busy_s = self.busy_s * decay + dt
+        self._last, self._busy = now, busy
+        return was
+
+    def observe(self, tokens: int) -> None:
+        """A request of this lane completed while the lane was busy, having used `tokens`."""
+        self.tokens += max(0, tokens)
+        self.completions += 1
+
+    def rate(self) -> float | None:
+        """Tokens per second, or None while too little has been seen to say."""
+        cfg = self.config
+        if self.completions < cfg.min_completions or self.busy_s < cfg.min_busy_s:
+            return None
+        if self.tokens <= 0:
+            return None
+        return self.tokens / self.busy_s
