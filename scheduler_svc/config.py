@@ -405,8 +405,8 @@ class SidecarConfig(_Frozen):
         """`base` with what the engine's profile decides, where the `policy` section does not
         pin it: a static engine gets no continuous batching and as many batches in flight as
         it runs at once; an in-flight engine batches continuously with no batch limit, and
-        lane shares bound its prefill tokens within its step budget (max_num_tokens, where it
-        says). A static engine refuses a request with more rows than it runs
+        lane shares bound its unprefilled prompt tokens within two steps' budget (max_num_tokens,
+        where it says). A static engine refuses a request with more rows than it runs
         (max_num_sequences) or than a request may carry (max_batch_size), so its rows in
         flight are capped there; an in-flight engine merely queues what it cannot run yet."""
         static = engine.batching is Batching.STATIC
@@ -416,7 +416,8 @@ class SidecarConfig(_Frozen):
         if "max_batches_in_flight" not in self.policy:
             changes["max_batches_in_flight"] = engine.batches_at_once if static else None
         if "prefill_budget_tokens" not in self.policy and not static and engine.max_num_tokens:
-            changes["prefill_budget_tokens"] = engine.max_num_tokens
+            # Two steps' worth: one the engine runs, one ready for the next.
+            changes["prefill_budget_tokens"] = 2 * engine.max_num_tokens
         if static:
             per_batch = min(engine.max_batch_size, engine.max_num_sequences or 1 << 30)
             rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)

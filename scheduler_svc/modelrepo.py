@@ -161,6 +161,15 @@ def check(repo: Path) -> list[Problem]:
     return problems + check_ensembles(configs)
 
 
+# The CPU engine as a static (V1) batcher: a static batch prefills whole, so no chunked
+# context, and one step must hold the longest prompt.
+STATIC_ENGINE: dict[str, str] = {
+    "gpt_model_type": "V1",
+    "enable_chunked_context": "false",
+    "max_num_tokens": "4096",
+}
+
+
 def copy_engine_variant(
     src: Path, dst_repo: Path, name: str, overrides: Mapping[str, str], extra: str = ""
 ) -> Path:

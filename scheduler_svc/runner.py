@@ -208,7 +208,10 @@ class RowRunner(_Runner):
     def _deliver(self, row: Row, produced: int, ids: list[int]) -> int:
         row.channel.put(ids)
         now = produced + len(ids)
-        if now // PROGRESS_EVERY_TOKENS > produced // PROGRESS_EVERY_TOKENS:
+        # The first tokens say the prompt is prefilled (the policy's prefill shares); then
+        # every PROGRESS_EVERY_TOKENS (its KV growth).
+        first = produced == 0 < now
+        if first or now // PROGRESS_EVERY_TOKENS > produced // PROGRESS_EVERY_TOKENS:
             self.report.progress(row.request_id, now)
         return now
 

@@ -40,14 +40,18 @@ from scheduler_svc.bench.plan import (
     classify_error,
     lane_of,
 )
-from scheduler_svc.modelrepo import copy_engine_variant
+from scheduler_svc.modelrepo import STATIC_ENGINE, copy_engine_variant
 from scheduler_svc.sim.workload import SimRequest
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ENGINE = ROOT / "model_repo" / "cpu" / "tensorrt_llm"
-ENGINES = {"inflight": "inflight_fused_batching", "static": "V1"}
+# Each strategy's engine parameters over the CPU repository's.
+ENGINES: dict[str, dict[str, str]] = {
+    "inflight": {"gpt_model_type": "inflight_fused_batching"},
+    "static": STATIC_ENGINE,
+}
 MAX_SEQUENCES = 16  # the shipped engine's max_num_sequences: the FIFO's in-flight cap too
 END_ID, PAD_ID = 1, 2  # the sidecar's defaults, used for direct calls as well
 # Triton alone, configured with care: interactive traffic at priority 1, the rest at 2; a queue
@@ -112,14 +116,8 @@ class Prompts:
 def render_repository(dst: Path) -> Path:
     """The engine under each batching strategy, with Triton's own queueing configured."""
     dst.mkdir(parents=True, exist_ok=True)
-    for strategy, model_type in ENGINES.items():
-        copy_engine_variant(
-            CPU_ENGINE,
-            dst,
-            engine_model(strategy),
-            {"gpt_model_type": model_type},
-            DYNAMIC_BATCHING,
-        )
+    for strategy, parameters in ENGINES.items():
+        copy_engine_variant(CPU_ENGINE, dst, engine_model(strategy), parameters, DYNAMIC_BATCHING)
     return dst
 
 

@@ -6,6 +6,10 @@ iteration, `commit` applies the sampled tokens, `cancel` ends a request early.
 Two strategies, as TensorRT-LLM's `gpt_model_type`:
 - `inflight`: every iteration decodes one token for each running sequence and admits waiting
   ones first-come-first-served while the token budget, the sequence cap and the KV pool allow.
+  With `enable_chunked_context`, a prompt's context phase is split across iterations: decodes
+  are planned first, then the rest of `max_num_tokens` goes to prompts in their context phase,
+  oldest first (`first_come_first_served`) or in equal chunks (`equal_progress`); a prompt's
+  last chunk samples its first token. Without it a whole prompt must fit one iteration.
 - `static` (V1): a batch of whole requests is formed only when the engine is empty; its rows
   are padded to the longest prompt, prefilled together and decoded in lockstep until every row
   is done. Rows that finish early keep computing a pad token (the waste static batching pays).
@@ -27,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from scheduler_svc.core.chunking import split_budget
 from scheduler_svc.engine.blocks import BlockPool, PoolExhaustedError
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.errors import (
@@ -46,16 +51,14 @@ from scheduler_svc.engine.request import (
 
 @dataclass(frozen=True)
 class Work:
-    """Tokens one sequence feeds in one iteration, written from KV slot `start` on."""
+    """Tokens one sequence feeds in one iteration, written from KV slot `start` on: a decode
+    (one token), or (`is_context`) its prompt or one chunk of it."""
 
     seq: Sequence
     tokens: tuple[int, ...]
     start: int
     emits: bool
-
-    @property
-    def is_context(self) -> bool:
-        return self.start == 0
+    is_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,30 +255,50 @@ class Batcher:
         works: list[Work] = []
         paused = 0
         for seq in list(self._running):
-            if seq not in self._running:
-                continue  # paused as a victim earlier in this loop
+            if seq not in self._running or seq.in_context:
+                continue  # paused as a victim earlier in this loop, or still prefilling
             if self.cfg.batch_scheduler_policy == "max_utilization":
                 paused += self._grow_or_pause(seq)
                 if seq not in self._running:
                     continue
             works.append(Work(seq, (seq.generated[-1],), seq.num_cached, emits=True))
         budget = self.cfg.max_num_tokens - len(works)
+        contexts = [seq for seq in self._running if seq.in_context]
+        chunked = self.cfg.enable_chunked_context
+        equal = chunked and self.cfg.context_chunking_policy == "equal_progress"
+        left = budget - sum(seq.context_left for seq in contexts)  # FCFS: what the older leave
         while self._waiting and len(self._running) < self.cfg.max_num_sequences:
             seq = self._waiting[0]
-            tokens = seq.prompt + tuple(seq.generated)
-            if len(tokens) > budget:
+            tokens = len(seq.prompt) + len(seq.generated)
+            if equal:  # every prompt in its context phase gets a token this step
+                fits = len(contexts) < budget
+            elif chunked:  # what the older prompts leave
+                fits = left > 0
+            else:  # the whole prompt, this step
+                fits = tokens <= left
+            if not fits:
                 break
             if self.cfg.batch_scheduler_policy == "guaranteed_no_evict":
                 need = self.pool.blocks_for(len(seq.prompt) + seq.max_new_tokens)
             else:
-                need = self.pool.blocks_for(len(tokens))
+                need = self.pool.blocks_for(tokens)
             if need > self.pool.num_free:
                 break  # first come, first served: the head waits, nobody overtakes it
             self._waiting.popleft()
             self.pool.allocate(seq.seq_id, need)
             self._running.append(seq)
-            works.append(Work(seq, tokens, 0, emits=True))
-            budget -= len(tokens)
+            seq.context_len = tokens
+            contexts.append(seq)
+            left -= tokens
+        wants = [seq.context_left for seq in contexts]
+        sizes = split_budget(wants, budget, self.cfg.context_chunking_policy)
+        for seq, size in zip(contexts, sizes, strict=True):
+            if size:
+                context = (seq.prompt + tuple(seq.generated))[
+                    seq.num_cached : seq.num_cached + size
+                ]
+                done = seq.num_cached + size == seq.context_len
+                works.append(Work(seq, context, seq.num_cached, emits=done, is_context=True))
         self.counts.paused_total += paused
         return Plan(tuple(works), num_paused=paused)
 
@@ -322,7 +345,9 @@ class Batcher:
             seq.pad = longest - len(seq.prompt)
             self.pool.allocate(seq.seq_id, self.pool.blocks_for(longest + widest))
             self._running.append(seq)
-            works.append(Work(seq, (seq.pad_id,) * seq.pad + seq.prompt, 0, emits=True))
+            seq.context_len = longest
+            prompt = (seq.pad_id,) * seq.pad + seq.prompt
+            works.append(Work(seq, prompt, 0, emits=True, is_context=True))
         return Plan(tuple(works))
 
     def _form_static_batch(self) -> list[Sequence]:
@@ -350,7 +375,10 @@ class Batcher:
         for work in plan.works:
             seq = work.seq
             processed = len(work.tokens)
-            useful = processed - (seq.pad if work.is_context else 0) if work.emits else 0
+            if work.is_context:  # a static row's pad slots come first, in its first chunk
+                useful = processed - (seq.pad if work.start == 0 else 0)
+            else:
+                useful = processed if work.emits else 0
             if work.is_context:
                 self.counts.context_processed += processed
                 self.counts.context_useful += useful

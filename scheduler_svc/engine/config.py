@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 BatchingStrategy = Literal["inflight", "static"]
 SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
+ChunkingPolicy = Literal["first_come_first_served", "equal_progress"]
 
 # TensorRT-LLM spells the strategies this way in `gpt_model_type`; both spellings are accepted.
 _STRATEGY_ALIASES: dict[str, BatchingStrategy] = {
@@ -72,6 +73,17 @@ class EngineConfig(BaseModel):
     max_num_tokens: int = Field(
         4_096, ge=1, description="Most tokens one iteration processes (context + generation)."
     )
+    enable_chunked_context: bool = Field(
+        False,
+        description="Split a prompt's context phase across iterations, within max_num_tokens "
+        "a step: running sequences keep decoding between its chunks (in-flight batching only).",
+    )
+    context_chunking_policy: ChunkingPolicy = Field(
+        "first_come_first_served",
+        description="How chunked context shares a step's token budget between prompts: "
+        "`first_come_first_served` (oldest prompt first) or `equal_progress` (equal chunks, so "
+        "a short prompt is not held behind a long one).",
+    )
     max_input_len: int = Field(4_096, ge=1, description="Longest accepted prompt in tokens.")
     max_output_len: int = Field(1_024, ge=1, description="Largest accepted request_output_len.")
     max_queue_size: int = Field(
@@ -97,7 +109,17 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.num_blocks < 1:
             raise ValueError("max_tokens_in_paged_kv_cache is smaller than one block")
-        if self.max_num_tokens < self.max_input_len:
+        if self.enable_chunked_context and self.batching_strategy == "static":
+            raise ValueError(
+                "enable_chunked_context needs in-flight batching (gpt_model_type "
+                "inflight_fused_batching); a static batch prefills whole"
+            )
+        if self.max_num_tokens < self.max_num_sequences:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least max_num_sequences "
+                f"({self.max_num_sequences}): every running sequence decodes a token a step"
+            )
+        if not self.enable_chunked_context and self.max_num_tokens < self.max_input_len:
             # Without chunked context a whole prompt must fit in one iteration.
             raise ValueError(
                 f"max_num_tokens ({self.max_num_tokens}) must be at least "

@@ -88,10 +88,20 @@ class Sequence:
     pad: int = 0
     finish: FinishReason | None = None
     num_sent: int = 0
+    context_len: int = 0  # tokens its context phase feeds (prompt, plus output on a recompute)
 
     @property
     def done(self) -> bool:
         return self.finish is not None
+
+    @property
+    def in_context(self) -> bool:
+        """Admitted, and its context not all fed yet (chunked context spans several steps)."""
+        return self.num_cached < self.context_len
+
+    @property
+    def context_left(self) -> int:
+        return max(0, self.context_len - self.num_cached)
 
     def banned(self) -> list[int]:
         """Tokens this row may not generate next: bad words' last tokens where the output ends

@@ -39,6 +39,9 @@ class CostModel:
     tokens_per_block: int = 16
     max_num_seqs: int = 64
     max_num_tokens: int = 8192  # tokens prefilled per step (chunked context)
+    # How prompts in their context phase share a step (TensorRT-LLM's ContextChunkingPolicy;
+    # its default is first come, first served).
+    context_chunking_policy: str = "first_come_first_served"
     max_seq_len: int = 8192
     max_queue_size: int = 512  # the backend's own queue (TensorRT-LLM's max_queue_size)
 

@@ -1,10 +1,12 @@
 """Simulated engines in virtual time: in-flight (continuous) batching and static batching.
 
 In-flight: every step admits waiting sequences in arrival order while the sequence limit and the
-KV pool allow, prefills up to `max_num_tokens` prompt tokens (chunked), and decodes one token
-for every running sequence. KV blocks are taken as tokens arrive (paged) or for the whole
-maximum sequence length at admission (contiguous); when a decoding sequence needs a block and
-none is free, the newest running sequence is paused and later recomputed (max_utilization).
+KV pool allow, prefills up to `max_num_tokens` prompt tokens (chunked context, split between
+prompts by the cost model's `context_chunking_policy`, the reference engine's rule), and
+decodes one token for every running sequence. KV blocks are taken as tokens arrive (paged) or
+for the whole maximum sequence length at admission (contiguous); when a decoding sequence needs
+a block and none is free, the newest running sequence is paused and later recomputed
+(max_utilization).
 Static: one batch at a time; every row is padded to the batch's longest prompt and the batch
 decodes until its longest output is done.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler_svc.core.chunking import split_budget
 from scheduler_svc.sim.costmodel import CostModel
 
 
@@ -118,21 +121,17 @@ class InflightEngine(_Engine):
     def step(self) -> StepResult:
         """Run one iteration; the caller advances time by `duration_s`."""
         self._admit()
-        budget = self.cost.max_num_tokens
         prefill_tokens = 0
         first: list[Sequence] = []
-        decoding: list[Sequence] = []
-        for seq in list(self.running):
-            todo = seq.context - seq.prefilled
-            if todo > 0:
-                chunk = min(todo, budget)
-                budget -= chunk
-                prefill_tokens += chunk
-                seq.prefilled += chunk
-                if seq.prefilled == seq.context:
-                    first.append(seq)
-            else:
-                decoding.append(seq)
+        prefilling = [s for s in self.running if s.context > s.prefilled]
+        decoding = [s for s in self.running if s.context <= s.prefilled]
+        wants = [s.context - s.prefilled for s in prefilling]
+        sizes = split_budget(wants, self.cost.max_num_tokens, self.cost.context_chunking_policy)
+        for seq, chunk in zip(prefilling, sizes, strict=True):
+            prefill_tokens += chunk
+            seq.prefilled += chunk
+            if seq.prefilled == seq.context:
+                first.append(seq)
         for seq in decoding:
             if seq not in self.running:
                 continue  # paused this step to make room

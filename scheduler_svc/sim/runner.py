@@ -100,10 +100,15 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
         )
         # The sidecar's rule for an engine profile: an in-flight engine batches continuously;
         # a static one runs one batch at a time, so exactly one released batch is in it.
+        # With lane shares bounding an in-flight engine's unprefilled prompt tokens within two
+        # of its steps.
         inflight = engine == "inflight"
         return PolicyScheduler(
             PolicyConfig(
-                kv=kv, continuous_batching=inflight, max_batches_in_flight=None if inflight else 1
+                kv=kv,
+                continuous_batching=inflight,
+                max_batches_in_flight=None if inflight else 1,
+                prefill_budget_tokens=2 * cost.max_num_tokens if inflight else None,
             )
         )
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
@@ -231,7 +236,8 @@ class _Run:
                 self.sched.on_done(seq.request_id, now, seq.generated)
         if self.sched is not None:
             for seq in step.progressed:
-                if seq.generated % 16 == 0 and seq.generated < seq.output_tokens:
+                first = seq.generated == 1  # prefilled: frees the lane's prefill share
+                if (first or seq.generated % 16 == 0) and seq.generated < seq.output_tokens:
                     self.sched.on_progress(seq.request_id, seq.generated, now)
             if isinstance(self.engine, InflightEngine):
                 self.sched.observe_kv(self.engine.free_blocks, self.engine.total_blocks, now)

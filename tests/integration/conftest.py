@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.modelrepo import copy_engine_variant
+from scheduler_svc.modelrepo import STATIC_ENGINE, copy_engine_variant
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
@@ -19,7 +19,7 @@ CPU_REPO = ROOT / "model_repo" / "cpu"
 
 # Engine variants served side by side by a second Triton: (model name, parameter overrides).
 VARIANTS: dict[str, dict[str, str]] = {
-    "engine_static": {"gpt_model_type": "V1"},
+    "engine_static": STATIC_ENGINE,
     "engine_noevict": {
         "batch_scheduler_policy": "guaranteed_no_evict",
         "max_tokens_in_paged_kv_cache": "512",

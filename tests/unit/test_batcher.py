@@ -221,8 +221,12 @@ class BatcherMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["guaranteed_no_evict", "max_utilization"]),
         blocks=st.integers(6, 24),
         seqs=st.integers(1, 4),
+        chunking=st.sampled_from([None, "first_come_first_served", "equal_progress"]),
     )
-    def configure(self, strategy: str, policy: str, blocks: int, seqs: int) -> None:
+    def configure(
+        self, strategy: str, policy: str, blocks: int, seqs: int, chunking: str | None
+    ) -> None:
+        chunked = chunking is not None and strategy == "inflight"
         self.batcher = Batcher(
             cfg(
                 batching_strategy=strategy,
@@ -230,8 +234,10 @@ class BatcherMachine(RuleBasedStateMachine):
                 max_tokens_in_paged_kv_cache=blocks * 4,
                 max_num_sequences=seqs,
                 max_input_len=24,
-                max_num_tokens=48,
+                max_num_tokens=7 if chunked else 48,  # chunks of prompts up to 12 tokens
                 max_queue_size=6,
+                enable_chunked_context=chunked,
+                context_chunking_policy=chunking or "first_come_first_served",
             )
         )
 
@@ -297,3 +303,60 @@ def test_stop_words_end_a_row_with_the_word_emitted() -> None:
     run_to_end(b2)
     assert seq2.generated == seq.generated[:4]  # the stop word's tokens are output
     assert seq2.finish == FinishReason.STOP_WORDS
+
+
+def test_chunked_context_feeds_a_long_prompt_in_chunks_while_others_decode() -> None:
+    b = Batcher(
+        cfg(
+            max_num_tokens=16,
+            max_num_sequences=4,
+            enable_chunked_context=True,
+            max_tokens_in_paged_kv_cache=256,
+        )
+    )
+    add(b, "short", (4, 8))
+    step(b)  # "short" prefills and samples its first token
+    add(b, "long", (40, 2))
+    plans = [step(b)[0] for _ in range(3)]
+    # Each step: one decode for "short" (1 token), and 15, 15, then 10 of the long prompt.
+    for plan in plans:
+        assert [len(w.tokens) for w in plan.works if not w.is_context] == [1]
+        assert sum(len(w.tokens) for w in plan.works) <= 16
+    chunks = [[len(w.tokens) for w in plan.works if w.is_context] for plan in plans]
+    assert chunks == [[15], [15], [10]]
+    emitting = [[w.seq.request.key for w in plan.works if w.emits] for plan in plans]
+    assert emitting == [["short"], ["short"], ["short", "long"]]  # only the last chunk samples
+    assert b.counts.context_processed == b.counts.context_useful == 4 + 40
+
+
+def test_without_chunked_context_a_prompt_must_fit_one_step() -> None:
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        cfg(max_num_tokens=16, max_input_len=64)
+    with pytest.raises(ValueError, match="in-flight batching"):
+        cfg(batching_strategy="static", enable_chunked_context=True)
+
+
+def test_equal_progress_lets_a_short_prompt_through_beside_a_long_one() -> None:
+    def first_token_step(policy: str) -> int:
+        b = Batcher(
+            cfg(
+                max_num_tokens=16,
+                max_num_sequences=4,
+                enable_chunked_context=True,
+                context_chunking_policy=policy,
+                max_tokens_in_paged_kv_cache=256,
+            )
+        )
+        add(b, "long", (60, 2))
+        step(b)
+        add(b, "short", (6, 2))
+        for n in range(1, 20):
+            plan, _ = step(b)
+            if any(w.emits and w.seq.request.key == "short" for w in plan.works):
+                return n
+        raise AssertionError("the short prompt never sampled")
+
+    # First come, first served: the short prompt waits for the long one's 44 remaining
+    # tokens (three steps); in equal chunks it takes half of the next step and is done.
+    assert first_token_step("first_come_first_served") == 4
+    assert first_token_step("equal_progress") == 1

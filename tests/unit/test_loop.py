@@ -245,7 +245,7 @@ def test_progress_and_the_output_length_reach_the_core() -> None:
             ticket = await submit(loop, "r", 100, max_tokens=40)
             assert len(await read(ticket)) == 40
             await until(lambda: loop.stats().in_flight == 0, "the row is done")
-            assert scheduler.reports == [("r", 16), ("r", 32)]  # every 16 tokens
+            assert scheduler.reports == [("r", 1), ("r", 16), ("r", 32)]  # first, every 16
             assert scheduler.predictor.samples("", "hot") == 1  # its output length was learnt
             assert scheduler.mirror.held() == {}
         finally:

@@ -6,11 +6,12 @@ import statistics
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_svc.core.breaker import Breaker
+from scheduler_svc.core.chunking import split_budget
 from scheduler_svc.core.config import (
     BreakerConfig,
     KvConfig,
@@ -203,3 +204,26 @@ def test_deficit_round_robin_shares_by_weight_and_lends_idle_shares() -> None:
         drr.charge(lane, 50)
         picks.append(lane)
     assert 4 <= picks.count("a") <= 7 and "b" in picks
+
+
+@given(
+    wants=st.lists(st.integers(0, 500), max_size=8),
+    budget=st.integers(0, 1000),
+    policy=st.sampled_from(["first_come_first_served", "equal_progress"]),
+)
+def test_a_step_budget_splits_within_what_each_prompt_wants(
+    wants: list[int], budget: int, policy: str
+) -> None:
+    sizes = split_budget(wants, budget, policy)
+    assert all(0 <= size <= want for size, want in zip(sizes, wants, strict=True))
+    assert sum(sizes) == min(budget, sum(wants))  # never over, and nothing left unused
+    if policy == "equal_progress" and sizes:
+        # Nobody gets more than one token beyond another that still wanted more.
+        short = [size for size, want in zip(sizes, wants, strict=True) if size < want]
+        assert not short or max(sizes) <= min(short) + 1
+
+
+def test_equal_progress_halves_a_step_between_a_long_and_a_short_prompt() -> None:
+    assert split_budget([1000, 10], 256, "first_come_first_served") == [256, 0]
+    assert split_budget([1000, 10], 256, "equal_progress") == [246, 10]
+    assert split_budget([1000, 1000], 255, "equal_progress") == [128, 127]

@@ -92,7 +92,7 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert flowing.kv.max_in_flight == 32  # an in-flight engine queues the rest itself
     assert flowing.prefill_budget_tokens is None  # the engine did not say its step budget
     stepped = EngineProfile(Batching.INFLIGHT, max_batch_size=64, max_num_tokens=512)
-    assert cfg.policy_for_engine(base, stepped).prefill_budget_tokens == 512
+    assert cfg.policy_for_engine(base, stepped).prefill_budget_tokens == 1024  # two steps
     assert held.prefill_budget_tokens is None  # a static engine prefills whole batches
     pinned = load_config(None, {"policy": {"max_batches_in_flight": 2}})
     assert pinned.policy_for_engine(pinned.policy_config(), static).max_batches_in_flight == 2
