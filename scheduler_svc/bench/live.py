@@ -33,6 +33,7 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.backends.triton import build_request, is_final, output_ids
 from scheduler_svc.bench.plan import (
+    DEFAULTS_TARGET,
     LANES,
     SMART_BATCHING,
     EngineDelta,
@@ -168,12 +169,15 @@ def sidecar_config(
 ) -> dict[str, Any]:
     """One sidecar's config (`target`: fifo, or a policy with one of the document's SmartBatching
     settings). The policy's lane timers are the document's, rescaled to this engine: a lane's
-    queue timeout and aging bound are its SLO, not an A100's milliseconds."""
+    queue timeout and aging bound are its SLO, not an A100's milliseconds; `policy_defaults`
+    keeps make run's (the A100 timers)."""
     scheduler = "fifo" if target == "fifo" else "policy"
     config: dict[str, Any] = {
         "triton": {"engine_model": engine_model(strategy), "metrics_url": metrics_url},
         "queue": {"scheduler": scheduler, "max_in_flight": MAX_SEQUENCES},
     }
+    if target == DEFAULTS_TARGET:  # make run's: the core's defaults, A100 timers
+        return config
     if scheduler == "policy":
         ratio, timeout = SMART_BATCHING[target]
         batching = {"max_ratio": ratio, "batch_timeout_s": timeout}

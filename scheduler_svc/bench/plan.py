@@ -27,7 +27,11 @@ TARGET_NAMES = {
     "policy": "sidecar policy",
     "policy_2.0_30": "sidecar policy 2.0 / 30 ms",
     "policy_1.2_80": "sidecar policy 1.2 / 80 ms",
+    "policy_defaults": "sidecar policy, make run's timers",
 }
+# The policy with `make run`'s settings: the core's defaults, the source document's A100 lane
+# timers (hot 100 ms, warm 500 ms), not rescaled to this engine. Run where a plan says.
+DEFAULTS_TARGET = "policy_defaults"
 # QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
 # this share of its requests was refused or failed.
 MAX_REFUSED = 0.01
@@ -104,6 +108,13 @@ class Plan:
     slo_window_s: float = 8.0
     # Points where the document's other SmartBatching settings are searched too (its matrix).
     slo_matrix: tuple[tuple[str, str], ...] = ()
+    # (engine, mix) steps where the policy with make run's timers runs too.
+    defaults_at: tuple[tuple[str, str], ...] = ()
+
+    def targets(self, step: Step) -> tuple[str, ...]:
+        """Who runs a step."""
+        extra = (DEFAULTS_TARGET,) if (step.engine, step.mix) in self.defaults_at else ()
+        return TARGETS + extra
 
     def mixes(self, engine: str) -> list[str]:
         """Mixes to calibrate on `engine` (the burst is offered at the chat mix's rate)."""
@@ -136,6 +147,7 @@ QUICK = Plan(
     deadline_s=15.0,
     overhead_rounds=15,
     slo_points=(("inflight", "mixed"),),
+    defaults_at=(("inflight", "mixed"), ("inflight", "burst")),
     slo_iterations=1,
     slo_window_s=4.0,
 )
@@ -155,6 +167,7 @@ FULL = Plan(
     overhead_rounds=60,
     slo_points=(("static", "spread_8to1"), ("static", "mixed"), ("inflight", "spread_8to1")),
     slo_matrix=(("static", "spread_8to1"),),
+    defaults_at=(("inflight", "mixed"), ("inflight", "burst")),
 )
 # QPS at the P99 SLO on the static engine alone, with longer trials at lower rates than the full
 # plan's (a static engine meets a 250 ms first-token SLO only well below its capacity, where an
@@ -297,9 +310,15 @@ def summarize(
             "e2e_p99_ms": to_ms(percentile(e2e, 99)),
         }
     lags = [o.send_lag_s for o in outcomes]
+    good = sum(within_slo(o, slo) for o in outcomes)
+    refused = states["rejected_fast"] + states["rejected_queued"]
     return {
         "requests": len(outcomes),
         **states,
+        # The source document's burst figure: the share of requests that failed, were refused
+        # or started past their SLO.
+        "failed_or_late": round(1 - good / len(outcomes), 4) if outcomes else None,
+        "refused_fast_share": round(states["rejected_fast"] / refused, 4) if refused else None,
         "goodput_rps": round(sum(within_slo(o, slo) for o in outcomes) / window_s, 3),
         "throughput_rps": round(len(ok) / window_s, 3),
         "tokens_per_s": round(sum(o.tokens for o in ok) / window_s, 1),

@@ -198,6 +198,8 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             targets = ["fifo", "policy"]
             if any(engine == strategy for engine, _ in plan.slo_matrix):
                 targets += P.MATRIX_TARGETS
+            if any(engine == strategy for engine, _ in plan.defaults_at):
+                targets.append(P.DEFAULTS_TARGET)
             st.add_sidecars(strategy, slo, targets)
             progress.advance(f"calibrated the {strategy} engine")
         if plan.overhead_rounds:
@@ -212,8 +214,9 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             sim: list[SimRequest] = P.schedule(step.mix, rate, window, seed + index)
             requests = materialize(sim, prompts, f"s{index}")
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
-            turn = index % len(P.TARGETS)
-            for target in P.TARGETS[turn:] + P.TARGETS[:turn]:
+            who = plan.targets(step)
+            turn = index % len(who)
+            for target in who[turn:] + who[:turn]:
                 label = f"{step.engine} {step.mix} {step.load:g}x {P.TARGET_NAMES[target]}"
                 progress.show(label)
                 outcomes, delta = await _one_run(st, step, target, requests, plan)
@@ -293,7 +296,8 @@ def total_steps(plan: P.Plan) -> int:
     trials = 1 + plan.slo_iterations
     searches = sum(len(plan.slo_targets(*point)) for point in plan.slo_points)
     overhead = 1 if plan.overhead_rounds else 0
-    return len(plan.engines) + overhead + len(plan.steps) * len(P.TARGETS) + searches * trials
+    runs = sum(len(plan.targets(step)) for step in plan.steps)
+    return len(plan.engines) + overhead + runs + searches * trials
 
 
 def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[str, Any]:

@@ -502,3 +502,49 @@ def test_buckets_flow_for_an_in_flight_engine_and_are_held_for_a_static_one(
     assert not continuous(sidecar_factory(variants, static, "static"))
     pinned = {"policy": {"continuous_batching": False}}
     assert not continuous(sidecar_factory(triton, pinned, "pinned"))  # the config file wins
+
+
+def test_a_burst_past_what_the_lanes_drain_is_refused_at_arrival(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess], tmp_path: Path
+) -> None:
+    """Predictive admission on the real stack: once the sidecar has seen how fast its lanes
+    drain, a burst's excess is refused at submission (predicted_late, with the predicted wait
+    as the retry hint) rather than after a queue timeout, and every accepted request is
+    served."""
+    port = free_port()
+    sidecar = sidecar_factory(
+        triton,
+        {
+            "server": {"metrics_port": port},
+            "queue": {"max_in_flight": 2},
+            "policy": {"admission": {"min_completions": 4, "min_busy_s": 0.2}},
+        },
+    )
+    metrics = f"http://127.0.0.1:{port}/metrics"
+
+    def short(i: int) -> Callable[[], pb.GenerateResponse]:
+        return lambda: ask(sidecar, f"Say something short, number {i}.", 8)
+
+    # Learn: a queue forms behind two running requests, and they drain.
+    learned = in_threads([short(i) for i in range(16)])
+    assert sum(isinstance(r, pb.GenerateResponse) for r in learned) >= 8
+    rates = scrape(metrics)
+    assert any(
+        name == "scheduler_svc_lane_drain_tokens_per_second" and value > 0
+        for (name, _), value in rates.items()
+    )
+    # The burst: far more at once than the lanes drain within the time they allow.
+    burst = in_threads([short(100 + i) for i in range(48)])
+    served = [r for r in burst if isinstance(r, pb.GenerateResponse)]
+    refused = [r for r in burst if isinstance(r, grpc.RpcError)]
+    assert len(served) + len(refused) == 48 and served
+    assert all(len(r.token_ids) > 0 for r in served)
+    early = [r for r in refused if "would start it in about" in (r.details() or "")]
+    assert early, [r.details() for r in refused]
+    for error in early:
+        assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(error.trailing_metadata() or ())  # type: ignore[arg-type]
+        assert int(trailers["retry-after-ms"]) > 0
+    events = scrape(metrics)
+    key = ("scheduler_svc_policy_events_total", frozenset({("event", "rejected_predicted_late")}))
+    assert events[key] == len(early)

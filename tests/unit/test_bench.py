@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from scheduler_svc.bench import live, report, run
 from scheduler_svc.bench import plan as bp
-from scheduler_svc.bench import report, run
 from scheduler_svc.bench.plan import EngineDelta, Outcome
 
 
@@ -103,6 +103,8 @@ def test_goodput_counts_only_served_requests_within_their_lanes_slo() -> None:
         "e2e_p99_ms": 300.0,
     }
     assert s["lanes"]["warm"]["ttft_p99_ms"] is None  # nothing served: no latency to report
+    assert s["failed_or_late"] == 0.6  # 2 of 5 within their SLO: the document's burst figure
+    assert s["refused_fast_share"] == 1.0  # the one refusal came within 50 ms
     assert s["padding_ratio"] == 0.25
     assert s["slot_occupancy"] == 0.75
     assert s["kv_fragmentation"] == 0.2
@@ -127,8 +129,10 @@ def test_plans_fit_their_time_budgets() -> None:
     """The plans' own arithmetic: offered windows plus calibration stay inside the budget the
     issue sets (quick < 3 min, full < 30 min), leaving room for draining between runs."""
     for plan, budget_s in ((bp.QUICK, 180), (bp.FULL, 1800)):
-        runs = sum(plan.burst_s if s.mix == "burst" else plan.duration_s for s in plan.steps)
-        offered = runs * len(bp.TARGETS)
+        offered = sum(
+            (plan.burst_s if s.mix == "burst" else plan.duration_s) * len(plan.targets(s))
+            for s in plan.steps
+        )
         mixes = sum(len(plan.mixes(e)) for e in plan.engines)
         calibration = mixes * len(run.CALIBRATION_CONCURRENCY) * plan.calibrate_s
         assert offered + calibration < budget_s / 2
@@ -188,6 +192,19 @@ def test_the_headline_compares_the_policy_with_triton_alone_at_the_top_load() ->
     assert hot_p99 == "| hot P99 TTFT | 500 ms | 400 ms | 50 ms | 0.1× |"
     goodput = next(line for line in text.splitlines() if line.startswith("| goodput"))
     assert goodput.endswith("| 0 | 0 | 1 | – |")  # a ratio over zero is not a number
+    # Against the unloaded median measured in calibration (20 ms).
+    assert "| hot P99 TTFT ÷ unloaded | 25× | 20× | 2.5× |  |" in text
+
+
+def test_make_runs_timers_run_beside_the_slo_scaled_policy_where_the_plan_says() -> None:
+    burst = bp.Step("inflight", "burst", bp.BURST_LOAD)
+    assert bp.FULL.targets(burst) == (*bp.TARGETS, bp.DEFAULTS_TARGET)
+    assert bp.FULL.targets(bp.Step("static", "mixed", 1.2)) == bp.TARGETS
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    defaults = live.sidecar_config("inflight", bp.DEFAULTS_TARGET, "http://m", slo)
+    scaled = live.sidecar_config("inflight", "policy", "http://m", slo)
+    assert "policy" not in defaults and defaults["queue"]["scheduler"] == "policy"
+    assert scaled["policy"]["lanes"][0]["queue_timeout_s"] == 0.25
 
 
 def test_write_leaves_json_markdown_and_plots(tmp_path: Path) -> None:
