@@ -172,6 +172,10 @@ def _run(args: argparse.Namespace) -> int:
                     overrides.setdefault("server", {})[key] = port
             cfg = load_config(args.config, overrides)
             logs.configure(cfg.server.log_level)
+            timers = "/".join(
+                "–" if lane.queue_timeout_s is None else f"{lane.queue_timeout_s * 1000:g}"
+                for lane in cfg.policy_config().lanes
+            )
             ready = (
                 f"tritonserver  gRPC {server.grpc_url}  HTTP {server.http_url}  "
                 f"metrics {server.metrics_url}\n"
@@ -180,6 +184,9 @@ def _run(args: argparse.Namespace) -> int:
                 "metrics http://127.0.0.1:{metrics_port}/metrics\n"
                 "              HTTP {http}  (OpenAI /v1, Triton generate /v2)\n"
                 "              admin {admin} (loopback: no credential needed)\n"
+                f"lanes         queue timeouts {timers} ms: the source document's A100 "
+                "numbers unless the config says otherwise; a CPU engine step takes 20-60 ms, "
+                'so scale them to the engine (docs/policy.md, "Timers and the engine")\n'
                 "No credentials are configured: the client API is open on loopback only. To "
                 "serve other hosts, set server.host and auth.credentials_file (docs/sidecar.md)."
                 "\nCtrl-C stops both."

@@ -543,7 +543,7 @@ def test_a_burst_past_what_the_lanes_drain_is_refused_at_arrival(
     assert early, [r.details() for r in refused]
     for error in early:
         assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        trailers = dict(error.trailing_metadata() or ())  # type: ignore[arg-type]
+        trailers: dict[str, str] = dict(error.trailing_metadata() or ())  # type: ignore[arg-type]
         assert int(trailers["retry-after-ms"]) > 0
     events = scrape(metrics)
     key = ("scheduler_svc_policy_events_total", frozenset({("event", "rejected_predicted_late")}))
