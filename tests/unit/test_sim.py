@@ -59,12 +59,12 @@ def test_the_policy_shields_hot_requests_under_overload() -> None:
     scenario = with_duration(SCENARIOS["spread_8to1"], 10.0)
     fifo = summarize(simulate(scenario, "fifo", "inflight", seed=0))
     policy = summarize(simulate(scenario, "policy", "inflight", seed=0))
-    # Hot requests that cannot start within hot's 100 ms join the warm lane instead of being
-    # refused, so the tail is theirs (served late, not failed); the median is the shield.
-    assert policy["lanes"]["hot"]["ttft_p50_ms"] < fifo["lanes"]["hot"]["ttft_p50_ms"] / 1.5
-    assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"]
+    # Hot requests predicted past hot's 100 ms are refused at arrival; those that time out
+    # anyway join the warm lane and are served late, so the tail is theirs (not failures).
+    assert policy["lanes"]["hot"]["ttft_p50_ms"] < fifo["lanes"]["hot"]["ttft_p50_ms"] / 2
+    assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"] / 1.5
     assert policy["goodput_rps"] > fifo["goodput_rps"]
-    assert policy["failure_rate"] < 0.05
+    assert policy["failed_after_accept"] == 0 and policy["rejected_fast"] > 0  # refused early
     static_fifo = summarize(simulate(scenario, "fifo", "static", seed=0))
     static_policy = summarize(simulate(scenario, "policy", "static", seed=0))
     assert static_policy["padding_ratio"] < 0.1
