@@ -142,17 +142,26 @@ def _one_at_a_time() -> PolicyConfig:
     return PolicyConfig(kv=KvConfig(total_blocks=4096, max_in_flight=1), continuous_batching=True)
 
 
-def _learn_hot_rate(policy: PolicyScheduler, now: float) -> float:
-    """Keep the hot lane busy: a 64-token request (prompt 36, max_tokens 28, all 28 used)
-    completes every 50 ms while the next one waits: 1280 tokens per busy second."""
-    policy.submit(req("learn", 36, max_tokens=28), now)
+def _keep_busy(
+    policy: PolicyScheduler, name: str, prompt: int, max_tokens: int, period_s: float, now: float
+) -> float:
+    """Keep one lane busy: a request using all its max_tokens completes every `period_s` while
+    the next one waits (12 times). Leaves the last one running; returns the time."""
+    policy.submit(req(name, prompt, max_tokens=max_tokens), now)
     policy.schedule(now)
     for i in range(12):
-        policy.submit(req(f"learn{i}", 36, max_tokens=28), now)
-        now += 0.05
+        policy.submit(req(f"{name}{i}", prompt, max_tokens=max_tokens), now)
+        now += period_s
         [running] = list(policy.in_flight_ids())
-        policy.on_done(running, now, 28)
+        policy.on_done(running, now, max_tokens)
         policy.schedule(now)
+    return now
+
+
+def _learn_hot_rate(policy: PolicyScheduler, now: float) -> float:
+    """The hot lane drains 1280 tokens per busy second: 64 tokens (prompt 36 + 28 used) every
+    50 ms; then nothing is left queued or running."""
+    now = _keep_busy(policy, "learn", 36, 28, 0.05, now)
     for rid in list(policy.queued_ids()) + list(policy.in_flight_ids()):
         policy.cancel(rid, now)
     return now
@@ -208,14 +217,7 @@ def test_a_degraded_request_is_refused_when_the_lower_lane_cannot_start_it_in_ti
     policy = PolicyScheduler(_one_at_a_time())
     now = _learn_hot_rate(policy, 0.0)
     # Teach the warm lane 800 tokens per busy second: 360 tokens every 0.45 s.
-    policy.submit(req("w", 300, max_tokens=60), now)
-    policy.schedule(now)
-    for i in range(12):
-        policy.submit(req(f"w{i}", 300, max_tokens=60), now)
-        now += 0.45
-        [running] = list(policy.in_flight_ids())
-        policy.on_done(running, now, 60)
-        policy.schedule(now)
+    now = _keep_busy(policy, "w", 300, 60, 0.45, now)
     assert abs((policy.drain["warm"].rate() or 0) - 800) < 1
     # Four warm requests queued behind the running one: 4 x 0.45 s = 1.8 s ahead, past the
     # 1.5 s the warm lane allows.
