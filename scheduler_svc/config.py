@@ -45,6 +45,14 @@ class TritonConfig(_Frozen):
     connect_timeout_s: float = Field(
         5.0, gt=0, le=120, description="Seconds a readiness check or metadata call may take."
     )
+    unready_after_misses: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Readiness checks in a row that must fail (an error, or no answer within "
+        "connect_timeout_s) before a Triton that was ready is marked not ready; a Triton that "
+        "answers not ready is marked so at once. One missed check under load is not an outage.",
+    )
     metrics_url: str | None = Field(
         None,
         description="Triton's metrics page (http://HOST:8002/metrics); its KV block counts keep "

@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 import grpc
 import numpy as np
 import numpy.typing as npt
+import structlog
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
@@ -36,6 +37,8 @@ from scheduler_svc.errors import (
 _MAX_MESSAGE = 64 * 1024 * 1024
 # How long a stopped request's stream may take to end cleanly before it is cancelled.
 STOP_GRACE_S = 5.0
+
+log = structlog.get_logger("scheduler_svc.triton")
 
 
 def _tensor(
@@ -231,6 +234,8 @@ class TritonBackend:
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._readers: set[asyncio.Task[None]] = set()
+        self._ready = False  # the last answer Triton gave
+        self._misses = 0  # readiness checks in a row that got no answer
 
     async def start(self) -> None:
         options: list[tuple[str, Any]] = [
@@ -263,17 +268,34 @@ class TritonBackend:
         return self._stub
 
     async def ready(self) -> bool:
+        """Triton's answer (server and engine model ready). A check that gets no answer (an
+        error, or none within connect_timeout_s) keeps the last answer until
+        `unready_after_misses` checks in a row have missed: a Triton busy for a moment (a
+        loaded host, a long step) is not an outage, and refusing its clients for it would be."""
         timeout = self.cfg.connect_timeout_s
         try:
             server = await self.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout)
-            if not server.ready:
-                return False
-            model = await self.stub.ModelReady(
-                service_pb2.ModelReadyRequest(name=self.cfg.engine_model), timeout=timeout
-            )
-            return bool(model.ready)
-        except grpc.aio.AioRpcError:
+            ready = server.ready
+            if ready:
+                model = await self.stub.ModelReady(
+                    service_pb2.ModelReadyRequest(name=self.cfg.engine_model), timeout=timeout
+                )
+                ready = model.ready
+        except grpc.aio.AioRpcError as exc:
+            self._misses += 1
+            if self._ready and self._misses < self.cfg.unready_after_misses:
+                log.warning(
+                    "Triton readiness check got no answer",
+                    triton=self.cfg.url,
+                    code=exc.code().name,
+                    misses=self._misses,
+                )
+                return True
+            self._ready = False
             return False
+        self._misses = 0
+        self._ready = bool(ready)
+        return self._ready
 
     async def health(self) -> list[tuple[str, bool]]:
         return [(self.cfg.url, await self.ready())]
