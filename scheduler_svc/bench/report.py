@@ -73,7 +73,13 @@ HEADLINE: list[tuple[str, Any, str]] = [
     ("failed after acceptance", lambda s: s["failed"], ""),
     ("refusals within 50 ms", lambda s: s.get("refused_fast_share"), "%"),
     ("failed or past SLO (the document's burst figure)", lambda s: s.get("failed_or_late"), "%"),
+    ("client send lag P99 (host stalls)", lambda s: s.get("send_lag_p99_ms"), " ms"),
+    ("runs repeated after a stall", lambda s: s.get("reruns"), ""),
 ]
+
+
+# Rows about the measurement itself, not the scheduler: no policy ÷ Triton ratio.
+NO_RATIO = {"client send lag P99 (host stalls)", "runs repeated after a stall"}
 
 
 def headline(results: dict[str, Any], engine: str, mix: str, load: float) -> list[str]:
@@ -84,7 +90,7 @@ def headline(results: dict[str, Any], engine: str, mix: str, load: float) -> lis
     for name, get, unit in HEADLINE:
         values = [get(by_target[t]) if t in by_target else None for t in targets]
         cells = [_pct(v) if unit == "%" else _fmt(v, unit) for v in values]
-        r = ratio(values[2], values[0]) if unit != "%" else None
+        r = ratio(values[2], values[0]) if unit != "%" and name not in NO_RATIO else None
         rows.append([name, *cells, _fmt(r, "×")])
         if name == "hot P99 TTFT" and unloaded.get("hot"):
             # The issue 14 target: a short prompt's P99 against its unloaded median.

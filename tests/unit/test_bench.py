@@ -4,6 +4,7 @@ measured table)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import statistics
@@ -231,3 +232,35 @@ def test_a_run_meets_the_p99_slo_only_with_every_lane_in_time_and_almost_nothing
     assert bp.meets_slo(summary([0.05] * 200, refused=2), slo)  # 2 of 202 refused: < 1 %
     assert not bp.meets_slo(summary([0.05] * 100, refused=2), slo)  # 2 of 102: > 1 %
     assert not bp.meets_slo(summary([]), slo)  # nothing offered, nothing shown
+
+
+def test_a_run_whose_client_fell_behind_is_run_again_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The host stalls on the first two tries (the client sent 1 s late), not on the third.
+    lags = iter([1.0, 0.5, 0.01])
+    calls = []
+
+    async def one_run(*args: Any) -> tuple[list[Outcome], EngineDelta]:
+        lag = next(lags)
+        calls.append(lag)
+        done = Outcome("hot", 100, "ok", ttft_s=0.05, e2e_s=0.2, tokens=10, send_lag_s=lag)
+        return [done], EngineDelta(10.0, 10.0, [0.5], [])
+
+    monkeypatch.setattr(run, "_one_run", one_run)
+    step = bp.Step("inflight", "chat", 1.0)
+    slo = {"hot": 0.25, "warm": 0.5, "cold": 2.0}
+
+    async def measured() -> dict[str, Any]:
+        _, summary = await run._measured_run(None, step, "policy", [], bp.QUICK, 1.0, slo)  # type: ignore[arg-type]
+        return summary
+
+    summary = asyncio.run(measured())
+    assert calls == [1.0, 0.5, 0.01]
+    assert summary["reruns"] == 2 and summary["send_lag_p99_ms"] == 10.0
+    # Never more than MAX_RERUNS repeats, even if every try stalls: the last is kept, counted.
+    lags = iter([1.0] * 10)
+    calls.clear()
+    summary = asyncio.run(measured())
+    assert len(calls) == bp.MAX_RERUNS + 1 and summary["reruns"] == bp.MAX_RERUNS
+    assert summary["send_lag_p99_ms"] == 1000.0
