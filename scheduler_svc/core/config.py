@@ -11,6 +11,8 @@ Defaults (DESIGN.md, "Priority lanes by token length"):
                                                             shorter answer, else the warm lane)
     warm  256-1023       45 %   32         500 ms         wait again, up to 2 times
     cold  >= 1024        15 %   8          none           elastic pool, else keep waiting
+Lanes yield to the lanes ahead of them; on an in-flight engine cold holds at most 25 % of the
+engine's sequences while hot or warm work is queued or running (`max_rows_share`).
 SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16 tokens a block.
 Predictive admission on: a lane refuses at arrival what its learned drain rate says cannot
 start within the time the lane allows (its timeouts, requeues and degrade chain) or the
@@ -64,6 +66,9 @@ class LaneConfig:
     max_wait_s: float | None = None  # aging: waiting this long promotes a request; None: never
     max_ratio: float = 1.5  # SmartBatching: longest / shortest prompt in one batch
     batch_timeout_s: float = 0.05  # SmartBatching: release a batch when its oldest waited this
+    # On an in-flight engine, the most of the engine's sequences (kv.max_in_flight) this lane
+    # may hold while a lane ahead of it has work queued or running (at least one); None: no cap.
+    max_rows_share: float | None = None
 
     def validate(self, where: str) -> None:
         _check(bool(self.name), f"{where}.name", "must not be empty")
@@ -88,13 +93,20 @@ class LaneConfig:
         )
         _check(1.0 <= self.max_ratio <= 1000, f"{where}.max_ratio", "must be in [1, 1000]")
         _check(0 <= self.batch_timeout_s <= 60, f"{where}.batch_timeout_s", "must be in [0, 60]")
+        _check(
+            self.max_rows_share is None or 0 < self.max_rows_share <= 1,
+            f"{where}.max_rows_share",
+            "must be in (0, 1] or null",
+        )
 
 
 def default_lanes() -> tuple[LaneConfig, ...]:
     return (
         LaneConfig("hot", 0, 0.40, 16, 512, 0.100, OnTimeout.DEGRADE, max_wait_s=0.100),
         LaneConfig("warm", 256, 0.45, 32, 512, 0.500, OnTimeout.REQUEUE, 2, max_wait_s=1.0),
-        LaneConfig("cold", 1024, 0.15, 8, 256, None, OnTimeout.ELASTIC, max_wait_s=5.0),
+        LaneConfig(
+            "cold", 1024, 0.15, 8, 256, None, OnTimeout.ELASTIC, max_wait_s=5.0, max_rows_share=0.25
+        ),
     )
 
 
@@ -206,7 +218,7 @@ class PolicyConfig:
     # ratio-bounded bucket, and while the engine is busy the buckets fill.
     max_batches_in_flight: int | None = None
     # Prompt tokens the sidecar keeps in an in-flight engine unprefilled (the shell sets two of
-    # its steps' max_num_tokens); None: no prefill shares. While another lane has work waiting,
+    # its steps' max_num_tokens); None: no prefill shares. While a lane ahead has work waiting,
     # a lane's prompt tokens dispatched and not yet prefilled (no first token) stay within its
     # share of this budget, or one request.
     prefill_budget_tokens: int | None = None

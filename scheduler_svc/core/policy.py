@@ -17,9 +17,12 @@ prediction, dispatches buckets holding promoted requests oldest-first (if one ca
 else goes: the freed capacity is kept for it), and finally shares what is left between lanes by
 deficit round robin on tokens (prompt + predicted output), work-conserving: a lane with nothing
 ready lends its share.
-With `prefill_budget_tokens` on an in-flight engine, shares bound prefill too: while another
-lane has work waiting, a lane's prompt tokens in the engine without a first token yet stay
-within its share of one step's budget (or one request, so no prompt is too long to go).
+Lanes yield to the lanes ahead of them (the config's order: shorter prompts first). With
+`prefill_budget_tokens` on an in-flight engine, shares bound prefill too: while a lane ahead
+has work waiting, a lane's prompt tokens in the engine without a first token yet stay within
+its share of one step's budget (or one request, so no prompt is too long to go). A lane with
+`max_rows_share` holds at most that share of the engine's sequences while a lane ahead has work
+queued or running: a long prompt slows every decode step for as long as it runs.
 A bucket goes whole (up to its lane's max batch) once the KV mirror and the backend's sequence
 limit can hold it; it goes in part only when nothing is running, or when it holds a promoted
 request. For an engine with continuous (in-flight) batching (`continuous_batching`), buckets are
@@ -148,6 +151,7 @@ class PolicyScheduler:
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
         )
         self._rows_in_flight = 0
+        self._lane_rows = dict.fromkeys(self.lanes, 0)  # primary rows in flight per lane
         self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
         self.drain = {lane.name: DrainRate(config.admission) for lane in config.lanes}
         self.pooled_drain = DrainRate(config.admission)  # every lane's completions together
@@ -482,11 +486,12 @@ class PolicyScheduler:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _fits(self, bucket: Bucket, max_batch: int) -> list[Entry]:
+    def _fits(self, lane: str, bucket: Bucket, max_batch: int) -> list[Entry]:
         """The members, in fair order, that the KV pool and the sequence limit can hold now
-        (at most `max_batch`: a bucket filled before the lane's max batch shrank goes in parts)."""
+        (at most `max_batch`: a bucket filled before the lane's max batch shrank goes in parts),
+        within the lane's cap on rows (`_rows_left`)."""
         free = self.mirror.free_blocks
-        rows = self.config.kv.max_in_flight - self._rows_in_flight
+        rows = self._rows_left(lane)
         chosen: list[Entry] = []
         for entry in sorted(bucket.members, key=lambda e: (e.tag, e.seq)):
             need = self.mirror.need(entry.prompt_tokens, entry.predicted_output)
@@ -496,6 +501,22 @@ class PolicyScheduler:
             rows -= 1
             chosen.append(entry)
         return chosen
+
+    def _rows_left(self, lane: str) -> int:
+        """Rows `lane` may still take: the engine's free sequences, and on an in-flight engine,
+        while a lane ahead of it has work queued or running, what is left of the lane's row cap
+        (`max_rows_share` of the engine's sequences, at least one). Long prompts make every
+        decode step slower for as long as they run, so a capped lane cannot fill the engine
+        while shorter work shares it; without it, it may use every row."""
+        rows = self.config.kv.max_in_flight - self._rows_in_flight
+        share = self.lanes[lane].config.max_rows_share
+        if share is None or not self.config.continuous_batching:
+            return rows
+        shared = any(self._queued_tokens[o] or self._lane_rows[o] for o in self._before(lane))
+        if not shared:
+            return rows
+        cap = max(1, int(share * self.config.kv.max_in_flight))
+        return max(0, min(rows, cap - self._lane_rows[lane]))
 
     def _release(self, lane: str, entries: list[Entry], out: list[Decision]) -> int:
         queue = self.lanes[lane]
@@ -522,6 +543,7 @@ class PolicyScheduler:
             self._queued_tokens[lane] -= entry.cost_tokens
             self.mirror.reserve(rid, need, entry.prompt_tokens)
             self._rows_in_flight += 1
+            self._lane_rows[lane] += 1
             self._prefill_tokens[lane] += entry.prompt_tokens
             self._in_flight[rid] = _InFlight(
                 lane,
@@ -552,7 +574,12 @@ class PolicyScheduler:
         ]
         for _, _, name, bucket in sorted(waiting, key=lambda w: (w[0], w[1], w[2])):
             while bucket.alive and any(e.promoted for e in bucket.members):
-                entries = self._fits(bucket, self.lanes[name].config.max_batch)
+                if (
+                    self._rows_left(name) == 0
+                    and self._rows_in_flight < self.config.kv.max_in_flight
+                ):
+                    break  # its lane's row cap holds it, not the engine: others may go
+                entries = self._fits(name, bucket, self.lanes[name].config.max_batch)
                 if not entries or not self._engine_has_room():
                     return True
                 self._release(name, entries, out)
@@ -575,7 +602,7 @@ class PolicyScheduler:
                 {lane: sum(e.cost_tokens for e in head.members) for lane, head in heads.items()}
             )
             head, max_batch = heads[name], self.lanes[name].config.max_batch
-            entries = self._within_prefill_share(name, self._fits(head, max_batch))
+            entries = self._within_prefill_share(name, self._fits(name, head, max_batch))
             whole = min(len(head.members), max_batch)
             partial = len(entries) < whole and self._rows_in_flight > 0
             if not entries or (partial and not self.config.continuous_batching):
@@ -586,15 +613,22 @@ class PolicyScheduler:
                 continue
             self.shares.charge(name, self._release(name, entries, out))
 
+    def _before(self, lane: str) -> list[str]:
+        """The lanes ahead of `lane` (shorter prompts, tighter timers): the config's order."""
+        names = list(self.lanes)
+        return names[: names.index(lane)]
+
     def _within_prefill_share(self, lane: str, entries: list[Entry]) -> list[Entry]:
-        """On an in-flight engine with a prefill budget, while another lane has work waiting,
-        the longest prefix of `entries` that keeps the lane's prompt tokens not yet prefilled
-        within its share of one engine step's budget. A lane with nothing prefilling may
-        always send one request, so a prompt longer than its share still goes (alone)."""
+        """On an in-flight engine with a prefill budget, while a lane ahead of this one has
+        work waiting, the longest prefix of `entries` that keeps the lane's prompt tokens not
+        yet prefilled within its share of one engine step's budget. A lane with nothing
+        prefilling may always send one request, so a prompt longer than its share still goes
+        (alone). The first lane is never held back for the ones behind it: long prompts
+        waiting must not ration short ones."""
         budget = self.config.prefill_budget_tokens
         if budget is None or not self.config.continuous_batching:
             return entries
-        if not any(self._queued_tokens[other] for other in self.lanes if other != lane):
+        if not any(self._queued_tokens[other] for other in self._before(lane)):
             return entries
         allowed = self.lanes[lane].config.share * budget
         used = self._prefill_tokens[lane]
@@ -671,6 +705,7 @@ class PolicyScheduler:
         if flight is not None and flight.target is Target.PRIMARY:
             self.mirror.release(request_id)
             self._rows_in_flight -= 1
+            self._lane_rows[flight.lane] -= 1
             if flight.prefilling:
                 self._prefill_tokens[flight.lane] -= flight.prompt_tokens
             left = self._batch_rows[flight.batch_id] - 1

@@ -236,29 +236,70 @@ def test_a_degraded_request_is_refused_when_the_lower_lane_cannot_start_it_in_ti
     assert dict(policy.stats().counters)["expired_predicted_late"] == 1
 
 
-def test_prefill_shares_bound_a_lanes_unprefilled_prompt_tokens_while_others_wait() -> None:
+def test_prefill_shares_hold_a_lane_back_only_for_the_lanes_ahead_of_it() -> None:
     config = PolicyConfig(
-        kv=KvConfig(total_blocks=100_000, max_in_flight=64),
+        kv=KvConfig(total_blocks=400, max_in_flight=64),
         continuous_batching=True,
         prefill_budget_tokens=1000,
     )
     policy = PolicyScheduler(config)
-    for i in range(5):
-        policy.submit(req(f"h{i}", 200), 0.0)
+    policy.submit(req("c0", 1100), 0.0)
+    assert dispatched(policy.schedule(0.0)) == ["c0"]  # 73 of 400 blocks
+    # A hot request too large for the 327 blocks left waits; warm queues behind it.
+    policy.submit(req("h0", 100, max_tokens=5300), 0.01)
+    for i in range(3):
+        policy.submit(req(f"w{i}", 500), 0.01)
+    # While hot waits, warm keeps 45 % of 1000 = 450 tokens unprefilled, or one request.
+    assert dispatched(policy.schedule(0.01)) == ["w0"]
+    assert dispatched(policy.schedule(0.015)) == []
+    policy.on_progress("w0", 1, 0.02)  # w0's first token: its prompt is prefilled
+    assert dispatched(policy.schedule(0.02)) == ["w1"]
+    policy.cancel("h0", 0.03)  # nothing waits ahead of warm now: it sends what it has
+    assert dispatched(policy.schedule(0.03)) == ["w2"]
+
+
+def test_the_first_lane_is_never_rationed_for_long_prompts_waiting_behind_it() -> None:
+    config = PolicyConfig(
+        kv=KvConfig(total_blocks=100_000, max_in_flight=4),
+        continuous_batching=True,
+        prefill_budget_tokens=500,
+    )
+    policy = PolicyScheduler(config)
     for i in range(3):
         policy.submit(req(f"c{i}", 1100), 0.0)
-    # hot: 40 % of 1000 = 400 tokens (two 200-token prompts); cold: 15 % = 150, but a lane
-    # with nothing prefilling may always send one request.
-    assert sorted(dispatched(policy.schedule(0.0))) == ["c0", "h0", "h1"]
-    assert dispatched(policy.schedule(0.01)) == []
-    policy.on_progress("h0", 1, 0.02)  # h0's first token: its prompt is prefilled
-    assert dispatched(policy.schedule(0.02)) == ["h2"]
-    policy.on_progress("c0", 1, 0.03)
-    assert dispatched(policy.schedule(0.03)) == ["c1"]
-    for rid in ("h1", "h2"):
-        policy.on_progress(rid, 1, 0.04)
-    # h3 and h4 go; then nothing else waits, and the cold lane sends the rest at once.
-    assert dispatched(policy.schedule(0.04)) == ["h3", "h4", "c2"]
+    assert len(dispatched(policy.schedule(0.0))) == 3  # alone, cold sends what fits
+    for i in range(3):
+        policy.submit(req(f"h{i}", 200), 0.01)
+    policy.submit(req("c3", 1100), 0.01)
+    assert dispatched(policy.schedule(0.01)) == ["h0"]  # the one free row
+    # h0 holds all of hot's 40 % of 500 tokens unprefilled, and cold waits: hot goes anyway.
+    for i, (done, nxt) in enumerate((("c0", "h1"), ("c1", "h2"), ("c2", "c3"))):
+        policy.on_done(done, 0.1 * (i + 1), 10)
+        assert dispatched(policy.schedule(0.1 * (i + 1))) == [nxt]
+
+
+def test_a_row_capped_lane_fills_the_engine_only_while_it_has_it_alone() -> None:
+    lanes = tuple(
+        replace(lane, max_rows_share=0.25, max_wait_s=None) if lane.name == "cold" else lane
+        for lane in default_lanes()
+    )
+    config = PolicyConfig(
+        lanes=lanes, kv=KvConfig(total_blocks=100_000, max_in_flight=8), continuous_batching=True
+    )
+    policy = PolicyScheduler(config)
+    for i in range(3):
+        policy.submit(req(f"a{i}", 1500), 0.0)
+    assert len(dispatched(policy.schedule(0.0))) == 3  # alone: every row it wants
+    policy.submit(req("h0", 100), 0.01)
+    for i in range(3):
+        policy.submit(req(f"c{i}", 1500), 0.01)
+    # With hot work in the engine, cold holds at most 25 % of 8 rows = 2; it already has 3.
+    assert dispatched(policy.schedule(0.01)) == ["h0"]
+    for i in range(3):
+        policy.on_done(f"a{i}", 0.5, 10)
+    assert dispatched(policy.schedule(0.5)) == ["c0", "c1"]
+    policy.on_done("h0", 0.6, 10)
+    assert dispatched(policy.schedule(0.6)) == ["c2"]  # hot has gone: the cap lifts
 
 
 def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:
@@ -535,6 +576,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         self.now += dt
         released = False
+        dispatches = []
         for decision in self.policy.schedule(self.now):
             rid = decision.request_id
             assert rid in self.admitted and rid not in self.ends and rid not in self.in_flight
@@ -550,7 +592,13 @@ class PolicyMachine(RuleBasedStateMachine):
             assert max(lengths) <= lane.max_ratio * min(lengths)
             self.in_flight.add(rid)
             self.batch_of[rid] = decision.batch.batch_id
+            dispatches.append(decision)
             released = True
+        for lane in {d.lane for d in dispatches}:
+            # A capped lane takes rows only up to its cap while another lane is active (it was
+            # active all through the tick: schedule() adds no work).
+            cap = self.row_cap(lane)
+            assert cap is None or self.lane_rows()[lane] <= cap, f"{lane} over its row cap"
         limit = self.config.max_batches_in_flight
         if released and limit is not None:
             running = {self.batch_of[r] for r in self.in_flight}
@@ -558,21 +606,42 @@ class PolicyMachine(RuleBasedStateMachine):
             assert self.policy.stats().batches_in_flight == len(running)
         self.check_waits()
 
+    def lane_rows(self) -> dict[str, int]:
+        rows = dict.fromkeys(self.policy.lanes, 0)
+        for flight in self.policy._in_flight.values():
+            if flight.target is Target.PRIMARY:
+                rows[flight.lane] += 1
+        return rows
+
+    def shared(self, lane: str) -> bool:
+        """Another lane has work queued or running."""
+        rows, queued = self.lane_rows(), set(self.policy.queued_ids().values())
+        return any(rows[o] or o in queued for o in self.policy.lanes if o != lane)
+
+    def row_cap(self, lane: str) -> int | None:
+        share = self.config.lane(lane).max_rows_share
+        if share is None or not self.config.continuous_batching or not self.shared(lane):
+            return None
+        return max(1, int(share * self.config.kv.max_in_flight))
+
+    def rows_left(self, lane: str) -> int:
+        rows = self.lane_rows()
+        free = self.config.kv.max_in_flight - sum(rows.values())
+        cap = self.row_cap(lane)
+        return free if cap is None else max(0, min(free, cap - rows[lane]))
+
     def check_waits(self) -> None:
         # Nobody waits past its lane's bound + batch timeout while what it needs is free, unless
         # an older overdue request is blocked: the core then keeps freed room for that one
         # (draining for it is what stops a large request from starving).
         free = self.policy.mirror.free_blocks
-        rows = self.config.kv.max_in_flight - len(
-            [r for r, t in self.policy.in_flight_ids().items() if t is Target.PRIMARY]
-        )
-
         limit = self.config.max_batches_in_flight
         slot = limit is None or self.policy.stats().batches_in_flight < limit
 
         def fits(entry: Entry) -> bool:
             need = self.policy.mirror.need(entry.prompt_tokens, entry.predicted_output)
-            return need <= free and rows > 0 and slot
+            lane = next(n for n, q in self.policy.lanes.items() if entry.request_id in q.entries)
+            return need <= free and self.rows_left(lane) > 0 and slot
 
         overdue = []
         for rid, lane_name in self.policy.queued_ids().items():
@@ -592,10 +661,18 @@ class PolicyMachine(RuleBasedStateMachine):
         continuous=st.booleans(),
         batches=st.sampled_from([None, 1, 2]),
         prefill=st.sampled_from([None, 200, 2000]),
+        cold_rows=st.sampled_from([None, 0.1, 0.5]),
     )
-    def engine_batching(self, continuous: bool, batches: int | None, prefill: int | None) -> None:
+    def engine_batching(
+        self, continuous: bool, batches: int | None, prefill: int | None, cold_rows: float | None
+    ) -> None:
+        lanes = tuple(
+            replace(lane, max_rows_share=cold_rows) if lane.name == "cold" else lane
+            for lane in self.config.lanes
+        )
         self.config = replace(
             self.config,
+            lanes=lanes,
             continuous_batching=continuous,
             max_batches_in_flight=batches,
             prefill_budget_tokens=prefill,
