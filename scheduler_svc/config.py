@@ -36,8 +36,13 @@ class TritonConfig(_Frozen):
     """Where the backend is and what it serves."""
 
     url: str = Field("127.0.0.1:8001", min_length=3, description="Triton gRPC address HOST:PORT.")
-    engine_model: str = Field(
-        "tensorrt_llm", min_length=1, description="The model with TensorRT-LLM's tensor contract."
+    engine_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="The model with TensorRT-LLM's tensor contract; null: discovered from "
+        "Triton's repository (the ready model with input_ids, input_lengths and "
+        "request_output_len in and output_ids out; `tensorrt_llm` among several).",
     )
     health_interval_s: float = Field(
         1.0, gt=0, le=60, description="Seconds between readiness checks of Triton."

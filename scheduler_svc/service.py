@@ -26,7 +26,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from scheduler_svc import auth
-from scheduler_svc.backends.base import GenerationInput
+from scheduler_svc.backends.base import DEFAULT_ENGINE_MODEL, GenerationInput
 from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
 from scheduler_svc.core.quota import Limits, TenantQuotas
 from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
@@ -152,6 +152,9 @@ class GenerationService:
         # The text model the fronts answer for: the configured one, or the one discovered in
         # Triton's repository once it is ready.
         self.text_model = cfg.model.kserve_model or DEFAULT_TEXT_MODEL
+        # The engine model the KServe front schedules token-id requests for: the backend's
+        # (configured, or discovered once Triton answers).
+        self.engine_model = cfg.triton.engine_model or DEFAULT_ENGINE_MODEL
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
         self.outcomes: Counter[str] = Counter()
         self.quotas = make_quotas(cfg.quotas)

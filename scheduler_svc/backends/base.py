@@ -61,7 +61,15 @@ class GenerationInput:
     timeout_s: float | None = None
 
 
+DEFAULT_ENGINE_MODEL = "tensorrt_llm"  # TensorRT-LLM's engine model, as its templates name it
+
+
 class Backend(Protocol):
+    @property
+    def engine_model(self) -> str:
+        """The model its requests go to (configured, or discovered once Triton answers)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...

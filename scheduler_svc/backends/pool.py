@@ -45,6 +45,11 @@ class TritonPool:
         ]
         self._turn = 0
 
+    @property
+    def engine_model(self) -> str:
+        """The first endpoint's engine model (every endpoint serves the same contract)."""
+        return self.endpoints[0].backend.engine_model
+
     async def start(self) -> None:
         for endpoint in self.endpoints:
             await endpoint.backend.start()
@@ -121,7 +126,7 @@ class TritonPool:
         counts = await asyncio.gather(
             *(
                 read_kv_blocks(
-                    e.metrics_url or "", self.cfg.engine_model, self.cfg.connect_timeout_s
+                    e.metrics_url or "", e.backend.engine_model, self.cfg.connect_timeout_s
                 )
                 for e in readable
             )

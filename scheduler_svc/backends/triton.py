@@ -22,7 +22,12 @@ import numpy.typing as npt
 import structlog
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
+from scheduler_svc.backends.base import (
+    DEFAULT_ENGINE_MODEL,
+    Batching,
+    EngineProfile,
+    GenerationInput,
+)
 from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.config import TritonConfig, TritonTls
 from scheduler_svc.engine.contract import word_lists
@@ -39,6 +44,19 @@ _MAX_MESSAGE = 64 * 1024 * 1024
 STOP_GRACE_S = 5.0
 
 log = structlog.get_logger("scheduler_svc.triton")
+# TensorRT-LLM's tensor contract, as a model's metadata shows it: what the sidecar sends and reads.
+ENGINE_INPUTS = {
+    ("input_ids", "INT32"),
+    ("input_lengths", "INT32"),
+    ("request_output_len", "INT32"),
+}
+ENGINE_OUTPUTS = {"output_ids"}
+
+
+def is_engine_contract(meta: service_pb2.ModelMetadataResponse) -> bool:
+    """Whether a model's metadata has TensorRT-LLM's tensor contract (token ids in and out)."""
+    inputs = {(i.name, i.datatype) for i in meta.inputs}
+    return inputs >= ENGINE_INPUTS and {o.name for o in meta.outputs} >= ENGINE_OUTPUTS
 
 
 def _tensor(
@@ -235,6 +253,10 @@ class TritonBackend:
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
         self._readers: set[asyncio.Task[None]] = set()
         self._ready = False  # the last answer Triton gave
+        # The engine model: configured, or found in Triton's repository on the first check
+        # that Triton answers (the default name until then).
+        self.engine_model = cfg.engine_model or DEFAULT_ENGINE_MODEL
+        self._found = cfg.engine_model is not None
         self._misses = 0  # readiness checks in a row that got no answer
 
     async def start(self) -> None:
@@ -276,9 +298,11 @@ class TritonBackend:
         try:
             server = await self.stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout)
             ready = server.ready
+            if ready and not self._found:
+                await self._discover(timeout)
             if ready:
                 model = await self.stub.ModelReady(
-                    service_pb2.ModelReadyRequest(name=self.cfg.engine_model), timeout=timeout
+                    service_pb2.ModelReadyRequest(name=self.engine_model), timeout=timeout
                 )
                 ready = model.ready
         except grpc.aio.AioRpcError as exc:
@@ -297,6 +321,36 @@ class TritonBackend:
         self._ready = bool(ready)
         return self._ready
 
+    async def _discover(self, timeout: float) -> None:
+        """Find the engine model: the ready model of Triton's repository with TensorRT-LLM's
+        tensor contract; `tensorrt_llm` if it is one of several, else the first by name. With
+        none, the default name stays (and readiness says whether Triton has it)."""
+        index = await self.stub.RepositoryIndex(
+            service_pb2.RepositoryIndexRequest(ready=True), timeout=timeout
+        )
+        found = []
+        for name in sorted({m.name for m in index.models}):
+            meta = await self.stub.ModelMetadata(
+                service_pb2.ModelMetadataRequest(name=name), timeout=timeout
+            )
+            if is_engine_contract(meta):
+                found.append(name)
+        self._found = True
+        if not found:
+            log.warning(
+                "no model with the engine contract in Triton's repository",
+                triton=self.cfg.url,
+                model=self.engine_model,
+            )
+            return
+        self.engine_model = DEFAULT_ENGINE_MODEL if DEFAULT_ENGINE_MODEL in found else found[0]
+        log.info(
+            "engine model discovered",
+            triton=self.cfg.url,
+            model=self.engine_model,
+            candidates=found,
+        )
+
     async def health(self) -> list[tuple[str, bool]]:
         return [(self.cfg.url, await self.ready())]
 
@@ -306,7 +360,7 @@ class TritonBackend:
         TensorRT-LLM parameters that bound a step and the KV pool. `triton.engine_batching`
         overrides the batching where set."""
         answer = await self.stub.ModelConfig(
-            service_pb2.ModelConfigRequest(name=self.cfg.engine_model),
+            service_pb2.ModelConfigRequest(name=self.engine_model),
             timeout=self.cfg.connect_timeout_s,
         )
         return profile_from_config(answer.config, self.cfg.engine_batching)
@@ -315,7 +369,7 @@ class TritonBackend:
         if self.cfg.metrics_url is None:
             return None
         return await read_kv_blocks(
-            self.cfg.metrics_url, self.cfg.engine_model, self.cfg.connect_timeout_s
+            self.cfg.metrics_url, self.engine_model, self.cfg.connect_timeout_s
         )
 
     # -- the model repository (Admin passes these through) ----------------------------------
@@ -349,7 +403,7 @@ class TritonBackend:
             raise from_repository_status(exc.code(), exc.details() or "") from None
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
-        message = build_request(self.cfg.engine_model, request)
+        message = build_request(self.engine_model, request)
         async with contextlib.aclosing(self._responses(message, request.timeout_s)) as answers:
             async for _, ids in answers:
                 yield ids
@@ -358,7 +412,7 @@ class TritonBackend:
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
     ) -> AsyncGenerator[tuple[int, list[int]], None]:
         """Every row in one request; yield (row, new ids) as the engine streams them."""
-        message = build_batch_request(self.cfg.engine_model, request_id, rows)
+        message = build_batch_request(self.engine_model, request_id, rows)
         async with contextlib.aclosing(self._responses(message, timeout_s)) as answers:
             async for row, ids in answers:
                 yield row, ids
@@ -423,7 +477,7 @@ class TritonBackend:
         """End an unfinished request with a `stop` and wait (briefly) for the engine to answer
         both it and the stopped request, so the stream can close with nothing in flight.
         Returns whether it did."""
-        outbox.put_nowait(build_stop_request(self.cfg.engine_model, request_id))
+        outbox.put_nowait(build_stop_request(self.engine_model, request_id))
 
         async def two_finals() -> bool:
             finals = 0

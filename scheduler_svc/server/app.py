@@ -305,6 +305,7 @@ class Sidecar:
         request path set up from it (until then the sidecar refuses with UNAVAILABLE)."""
         if not await self.backend.ready():
             return False
+        self.service.engine_model = self.backend.engine_model
         if self.profile is None:
             try:
                 profile = await self.backend.profile()

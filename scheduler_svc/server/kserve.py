@@ -318,8 +318,11 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
     def __init__(self, service: GenerationService, triton: TritonCalls | None = None) -> None:
         self.service = service
-        self.engine_model = service.cfg.triton.engine_model
         self.triton = triton
+
+    @property
+    def engine_model(self) -> str:
+        return self.service.engine_model
 
     @property
     def model(self) -> str:

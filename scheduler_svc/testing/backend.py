@@ -32,6 +32,7 @@ class ScriptedBackend:
         default_factory=lambda: EngineProfile(Batching.INFLIGHT, max_batch_size=64)
     )
     first_id: int = 100
+    engine_model: str = "tensorrt_llm"
     ends_after: dict[str, int] = field(default_factory=dict)  # request id -> ids before its end
     fail_with: Exception | None = None
     is_ready: bool = True

@@ -284,19 +284,33 @@ def test_the_engine_model_is_scheduled_through_the_sidecar(
         versioned.infer("ensemble", make_inputs(text_request("hi", 2)), model_version="2")
 
 
-def test_the_text_model_is_discovered_from_tritons_repository(tmp_path: Path) -> None:
-    """A repository whose text ensemble is not called `ensemble`: the sidecar finds it by its
-    contract, and every front answers for that name."""
+def test_the_text_and_engine_models_are_discovered_from_tritons_repository(
+    tmp_path: Path,
+) -> None:
+    """A repository whose text ensemble is not called `ensemble` and whose engine is not called
+    `tensorrt_llm`: the sidecar finds both by their contracts, and every front answers for
+    those names."""
     repo = tmp_path / "repo"
     shutil.copytree(CPU_REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "ensemble").rename(repo / "chat-model")
     config = repo / "chat-model" / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "ensemble"', 'name: "chat-model"'))
+    text = config.read_text().replace('name: "ensemble"', 'name: "chat-model"')
+    config.write_text(text.replace('model_name: "tensorrt_llm"', 'model_name: "llm-engine"'))
+    (repo / "tensorrt_llm").rename(repo / "llm-engine")
+    config = repo / "llm-engine" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "llm-engine"'))
     triton = _start(repo, tmp_path / "triton.log")
     sidecar = SidecarProcess(triton.grpc_url, tmp_path).start()
     try:
         discovered = sidecar.wait_for_events("text model discovered", lambda e: len(e) >= 1)
         assert discovered[0]["model"] == "chat-model"
+        [engine] = sidecar.events("engine model discovered")
+        assert engine["model"] == "llm-engine" and engine["candidates"] == ["llm-engine"]
+        prompt = load_tokenizer().encode("Hello there", add_special_tokens=False).ids
+        tensors = engine_request(prompt, 4, end_id=np.array([[-1]], np.int32))
+        theirs = infer(triton.grpc_url, "llm-engine", tensors)
+        ours = infer(sidecar.url, "llm-engine", tensors)
+        assert ours.error is None and ours.tokens() == theirs.tokens() and len(ours.tokens()) == 4
         client = grpcclient.InferenceServerClient(sidecar.url)
         assert client.get_model_metadata("chat-model").platform == "ensemble"
         result = client.infer("chat-model", make_inputs(text_request("hello", 3)))
