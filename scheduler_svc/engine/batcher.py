@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from scheduler_svc.core.chunking import split_budget
 from scheduler_svc.engine.blocks import BlockPool, PoolExhaustedError
 from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.eos import natural_length
 from scheduler_svc.engine.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -176,6 +177,7 @@ class Batcher:
                 bad_words=spec.bad_words,
                 min_length=spec.min_length,
                 sampling=spec.sampling or sampling,
+                natural_len=self._natural_length(spec.prompt),
             )
             self._next_seq_id += 1
             request.rows.append(seq)
@@ -401,7 +403,19 @@ class Batcher:
             self._forget_if_done(update.seq.request)
         return updates
 
+    def _natural_length(self, prompt: tuple[int, ...]) -> int | None:
+        cfg = self.cfg
+        if cfg.eos_model == "none":
+            return None
+        return natural_length(prompt, cfg.eos_mean_tokens, cfg.eos_sigma, cfg.eos_seed)
+
     def _advance(self, seq: Sequence, token: int) -> Update:
+        natural = seq.natural_len
+        done = len(seq.generated)
+        if natural is not None and seq.end_id >= 0 and done >= max(natural, seq.min_length):
+            # The synthetic end-of-sequence model: the row ends here, as a trained model's
+            # would (min_length holds the end back as it holds the real one).
+            token = seq.end_id
         if token == seq.end_id:
             seq.finish = FinishReason.END_ID
             return Update(seq, (), row_finished=True)

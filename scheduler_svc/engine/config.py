@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 BatchingStrategy = Literal["inflight", "static"]
 SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
 ChunkingPolicy = Literal["first_come_first_served", "equal_progress"]
+EosModel = Literal["none", "lognormal"]
 
 # TensorRT-LLM spells the strategies this way in `gpt_model_type`; both spellings are accepted.
 _STRATEGY_ALIASES: dict[str, BatchingStrategy] = {
@@ -98,6 +99,19 @@ class EngineConfig(BaseModel):
     metrics_interval_ms: int = Field(
         50, ge=0, le=10_000, description="Least time between two metric publications."
     )
+    eos_model: EosModel = Field(
+        "none",
+        description="`lognormal`: each row ends with its end id after a length drawn, per "
+        "prompt and deterministically, from a lognormal (as a trained model stops); `none`: "
+        "random weights run every row to its max tokens (engine/eos.py).",
+    )
+    eos_mean_tokens: float = Field(
+        40.0, gt=0, le=1_000_000, description="Mean generated length under `lognormal`."
+    )
+    eos_sigma: float = Field(
+        0.8, gt=0, le=4, description="Standard deviation of the log of the length."
+    )
+    eos_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the length draws.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="Model shape.")
 
     @property

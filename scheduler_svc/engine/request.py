@@ -89,6 +89,7 @@ class Sequence:
     finish: FinishReason | None = None
     num_sent: int = 0
     context_len: int = 0  # tokens its context phase feeds (prompt, plus output on a recompute)
+    natural_len: int | None = None  # the synthetic end-of-sequence model's length (eos.py)
 
     @property
     def done(self) -> bool:

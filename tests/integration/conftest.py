@@ -31,6 +31,7 @@ VARIANTS: dict[str, dict[str, str]] = {
         "max_num_sequences": "8",
     },
     "engine_queue": {"max_num_sequences": "1", "max_queue_size": "1"},
+    "engine_eos": {"eos_model": "lognormal", "eos_mean_tokens": "12"},
 }
 
 _started: list[TritonServer] = []

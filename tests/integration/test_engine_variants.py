@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from scheduler_svc.engine.eos import natural_length
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.prompts import tokens_of_length
 from tests.integration.tritonio import (
@@ -180,3 +181,21 @@ def test_request_that_can_never_fit_fails_at_once(variants: TritonServer) -> Non
     answer = infer(variants.grpc_url, "engine_noevict", engine_request(tokens_of_length(300), 300))
     assert answer.error is not None
     assert "needs 38 KV blocks" in answer.error and "can never run" in answer.error
+
+
+def test_the_synthetic_end_of_sequence_model_ends_rows_at_their_drawn_lengths(
+    variants: TritonServer,
+) -> None:
+    """With `eos_model: lognormal` the real engine stops each row where the draw for its prompt
+    says, well short of a generous max tokens, and the same prompt stops at the same place."""
+    lengths = []
+    for n in (5, 9, 17, 33, 65):
+        prompt = tokens_of_length(n)
+        answer = infer(variants.grpc_url, "engine_eos", engine_request(prompt, 400))
+        assert answer.error is None and answer.final
+        drawn = natural_length(prompt, 12.0, 0.8, 0)
+        assert len(answer.tokens()) == min(drawn, 400)
+        again = infer(variants.grpc_url, "engine_eos", engine_request(prompt, 400))
+        assert again.tokens() == answer.tokens()
+        lengths.append(len(answer.tokens()))
+    assert len(set(lengths)) > 1 and max(lengths) < 400
