@@ -150,7 +150,6 @@ class PolicyScheduler:
         self.shares = DeficitRoundRobin(
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens
         )
-        self._rows_in_flight = 0
         self._lane_rows = dict.fromkeys(self.lanes, 0)  # primary rows in flight per lane
         self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
         self.drain = {lane.name: DrainRate(config.admission) for lane in config.lanes}
@@ -502,6 +501,11 @@ class PolicyScheduler:
             chosen.append(entry)
         return chosen
 
+    @property
+    def _rows_in_flight(self) -> int:
+        """Primary rows in the engine, every lane's."""
+        return sum(self._lane_rows.values())
+
     def _rows_left(self, lane: str) -> int:
         """Rows `lane` may still take: the engine's free sequences, and on an in-flight engine,
         while a lane ahead of it has work queued or running, what is left of the lane's row cap
@@ -542,7 +546,6 @@ class PolicyScheduler:
             del self._queued[rid]
             self._queued_tokens[lane] -= entry.cost_tokens
             self.mirror.reserve(rid, need, entry.prompt_tokens)
-            self._rows_in_flight += 1
             self._lane_rows[lane] += 1
             self._prefill_tokens[lane] += entry.prompt_tokens
             self._in_flight[rid] = _InFlight(
@@ -704,7 +707,6 @@ class PolicyScheduler:
         flight = self._in_flight.pop(request_id, None)
         if flight is not None and flight.target is Target.PRIMARY:
             self.mirror.release(request_id)
-            self._rows_in_flight -= 1
             self._lane_rows[flight.lane] -= 1
             if flight.prefilling:
                 self._prefill_tokens[flight.lane] -= flight.prompt_tokens
