@@ -4,7 +4,7 @@ model is found in Triton's repository when the config does not name it."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -20,7 +20,6 @@ class Answers:
     False, or a status code the call fails with)."""
 
     script: list[bool | grpc.StatusCode]
-    asked: list[str] = field(default_factory=list)
 
     def _next(self) -> bool:
         # One scripted answer per check: a failure or "not ready" ends the check here; "ready"
@@ -33,11 +32,9 @@ class Answers:
         return answer
 
     async def ServerReady(self, request: Any, timeout: float) -> Any:
-        self.asked.append("server")
         return service_pb2.ServerReadyResponse(ready=self._next())
 
     async def ModelReady(self, request: Any, timeout: float) -> Any:
-        self.asked.append(request.name)
         return service_pb2.ModelReadyResponse(ready=self.script.pop(0))
 
 
