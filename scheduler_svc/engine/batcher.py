@@ -77,12 +77,22 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """What the model chose in one iteration, one entry per emitting work in plan order: the
+    token, and its log probability where the row asks for one (None otherwise)."""
+
+    tokens: list[int]
+    log_probs: list[float | None]
+
+
+@dataclass(frozen=True)
 class Update:
     """What one committed iteration produced for one row."""
 
     seq: Sequence
     new_tokens: tuple[int, ...]
     row_finished: bool
+    new_log_probs: tuple[float, ...] = ()  # the new tokens', where the row asked for them
 
 
 @dataclass
@@ -178,6 +188,7 @@ class Batcher:
                 min_length=spec.min_length,
                 sampling=spec.sampling or sampling,
                 natural_len=self._natural_length(spec.prompt),
+                return_log_probs=spec.return_log_probs,
             )
             self._next_seq_id += 1
             request.rows.append(seq)
@@ -370,10 +381,17 @@ class Batcher:
 
     # -- results -----------------------------------------------------------------------------
 
-    def commit(self, plan: Plan, sampled: Iterable[int]) -> list[Update]:
-        """Apply one token per emitting work (in plan order); return what each row gained."""
+    def commit(
+        self,
+        plan: Plan,
+        sampled: Iterable[int],
+        log_probs: Iterable[float | None] | None = None,
+    ) -> list[Update]:
+        """Apply one token per emitting work (in plan order), with its log probability where
+        the runner gave one; return what each row gained."""
         updates: list[Update] = []
         tokens = iter(sampled)
+        probs = iter(log_probs) if log_probs is not None else None
         for work in plan.works:
             seq = work.seq
             processed = len(work.tokens)
@@ -391,9 +409,10 @@ class Batcher:
             if not work.emits:
                 continue
             token = next(tokens)
+            log_prob = next(probs) if probs is not None else None
             if seq.done:
                 continue
-            updates.append(self._advance(seq, token))
+            updates.append(self._advance(seq, token, log_prob))
         for update in updates:
             if update.row_finished and not self._static:
                 self._running.remove(update.seq)
@@ -409,7 +428,7 @@ class Batcher:
             return None
         return natural_length(prompt, cfg.eos_mean_tokens, cfg.eos_sigma, cfg.eos_seed)
 
-    def _advance(self, seq: Sequence, token: int) -> Update:
+    def _advance(self, seq: Sequence, token: int, log_prob: float | None = None) -> Update:
         natural = seq.natural_len
         done = len(seq.generated)
         if natural is not None and seq.end_id >= 0 and done >= max(natural, seq.min_length):
@@ -420,6 +439,11 @@ class Batcher:
             seq.finish = FinishReason.END_ID
             return Update(seq, (), row_finished=True)
         seq.generated.append(token)
+        new_log_probs: tuple[float, ...] = ()
+        if seq.return_log_probs:
+            # A runner that gives none (a test's model double) leaves it unknown: NaN.
+            new_log_probs = (float("nan") if log_prob is None else log_prob,)
+            seq.log_probs.append(new_log_probs[0])
         generated = seq.generated
         if len(generated) >= seq.min_length and any(
             len(word) <= len(generated) and tuple(generated[-len(word) :]) == word
@@ -428,7 +452,7 @@ class Batcher:
             seq.finish = FinishReason.STOP_WORDS
         elif len(generated) >= seq.max_new_tokens:
             seq.finish = FinishReason.LENGTH
-        return Update(seq, (token,), row_finished=seq.done)
+        return Update(seq, (token,), row_finished=seq.done, new_log_probs=new_log_probs)
 
     def _end_static_batch_if_done(self) -> None:
         if self._static and self._running and all(seq.done for seq in self._running):

@@ -46,7 +46,6 @@ _EXPECTED_KINDS = {
 }
 # What this engine cannot do, refused by name when a request asks for it.
 _NOT_PRODUCED = {
-    "return_log_probs": "log probabilities are not produced by this engine",
     "return_context_logits": "context logits are not produced by this engine",
     "return_generation_logits": "generation logits are not produced by this engine",
 }
@@ -110,6 +109,7 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
     stop_words = _word_lists(tensors, "stop_words_list", num_rows, vocab)
     bad_words = _word_lists(tensors, "bad_words_list", num_rows, vocab)
     min_lengths = _per_row(tensors, "min_length", num_rows)
+    log_flags = _per_row(tensors, "return_log_probs", num_rows)
     samplings = _samplings(tensors, num_rows)
     _refuse_what_cannot_be_done(tensors, num_rows)
     rows: list[RowSpec] = []
@@ -155,6 +155,7 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
                 bad_words=bad_words[r],
                 min_length=min_length,
                 sampling=samplings[r],
+                return_log_probs=bool(log_flags[r]) if log_flags is not None else False,
             )
         )
     return ParsedRequest(

@@ -13,11 +13,11 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from scheduler_svc.engine.batcher import Batcher, Plan, TokenCounts, Update, Work
+from scheduler_svc.engine.batcher import Batcher, Plan, Sampled, TokenCounts, Update, Work
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.errors import EngineError
 from scheduler_svc.engine.request import (
@@ -61,8 +61,16 @@ class EngineStats:
 class Sink(Protocol):
     """Where the engine's answers go."""
 
-    def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
-        """Send one row's tokens (new ones when streaming, all of them otherwise)."""
+    def emit(
+        self,
+        request: EngineRequest,
+        seq: Sequence,
+        tokens: list[int],
+        log_probs: list[float] | None,
+        final: bool,
+    ) -> None:
+        """Send one row's tokens (new ones when streaming, all of them otherwise), with their
+        log probabilities where the row asked for them (None otherwise)."""
 
     def close(self, request: EngineRequest) -> None:
         """End a request that has nothing more to say (cancelled or stopped while streaming)."""
@@ -78,7 +86,11 @@ class Sink(Protocol):
 
 
 class Runner(Protocol):
-    def step(self, works: tuple[Work, ...], tables: list[list[int]]) -> list[int]: ...
+    def step(self, works: tuple[Work, ...], tables: list[list[int]]) -> Sampled: ...
+
+
+def _log_probs(seq: Sequence, values: Iterable[float]) -> list[float] | None:
+    return list(values) if seq.return_log_probs else None
 
 
 class Engine:
@@ -202,7 +214,7 @@ class Engine:
             self._fail_everything(EngineError(f"engine step failed: {exc!r}"))
             return
         with self._lock:
-            updates = self._batcher.commit(plan, sampled)
+            updates = self._batcher.commit(plan, sampled.tokens, sampled.log_probs)
             self._iteration += 1
             self._last_plan = plan
         self._deliver(updates)
@@ -246,7 +258,8 @@ class Engine:
                 # A stopped non-streaming request still gets what it produced so far.
                 for i, seq in enumerate(pending):
                     final = i == len(pending) - 1
-                    if not self._guard(request, self._sink.emit, seq, list(seq.generated), final):
+                    tokens, probs = list(seq.generated), _log_probs(seq, seq.log_probs)
+                    if not self._guard(request, self._sink.emit, seq, tokens, probs, final):
                         break
             else:
                 self._guard(request, self._sink.close)
@@ -258,14 +271,24 @@ class Engine:
         for batch in by_request.values():
             request = batch[0].seq.request
             if request.streaming:
-                messages = [(u.seq, list(u.new_tokens)) for u in batch if u.new_tokens]
+                messages = [
+                    (u.seq, list(u.new_tokens), _log_probs(u.seq, u.new_log_probs))
+                    for u in batch
+                    if u.new_tokens
+                ]
             else:
-                messages = [(u.seq, list(u.seq.generated)) for u in batch if u.row_finished]
+                messages = [
+                    (u.seq, list(u.seq.generated), _log_probs(u.seq, u.seq.log_probs))
+                    for u in batch
+                    if u.row_finished
+                ]
             if request.done and not messages:
-                messages = [(batch[-1].seq, [])]  # a final answer must carry the FINAL flag
-            for i, (seq, tokens) in enumerate(messages):
+                # A final answer must carry the FINAL flag.
+                seq = batch[-1].seq
+                messages = [(seq, [], _log_probs(seq, ()))]
+            for i, (seq, tokens, probs) in enumerate(messages):
                 final = request.done and i == len(messages) - 1
-                if not self._guard(request, self._sink.emit, seq, tokens, final):
+                if not self._guard(request, self._sink.emit, seq, tokens, probs, final):
                     break
 
     def _fail_everything(self, error: EngineError) -> None:

@@ -66,6 +66,8 @@ class RowSpec:
     min_length: int = 0
     # This row's sampling; None: the request's.
     sampling: Sampling | None = None
+    # Whether each generated token's log probability is returned (return_log_probs).
+    return_log_probs: bool = False
 
 
 @dataclass(eq=False)
@@ -90,6 +92,10 @@ class Sequence:
     num_sent: int = 0
     context_len: int = 0  # tokens its context phase feeds (prompt, plus output on a recompute)
     natural_len: int | None = None  # the synthetic end-of-sequence model's length (eos.py)
+    return_log_probs: bool = False
+    # One per generated token, where return_log_probs asks: the log probability of the token
+    # under the distribution it was chosen from.
+    log_probs: list[float] = field(default_factory=list)
 
     @property
     def done(self) -> bool:

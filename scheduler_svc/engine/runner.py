@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from scheduler_svc.engine.batcher import Work
+from scheduler_svc.engine.batcher import Sampled, Work
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.request import Sampling, Sequence
 
@@ -163,8 +163,9 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def step(self, works: Seq[Work], tables: Seq[list[int]]) -> list[int]:
-        """Run one packed iteration; return one sampled token per emitting work, in order."""
+    def step(self, works: Seq[Work], tables: Seq[list[int]]) -> Sampled:
+        """Run one packed iteration; return one sampled token per emitting work, in order,
+        with its log probability where the row asks for it."""
         ids: list[int] = []
         positions: list[int] = []
         write: list[int] = []
@@ -203,10 +204,11 @@ class ModelRunner:
             paged_step=meta,
         ).last_hidden_state[0]
         if not last_index:
-            return []
+            return Sampled([], [])
         logits = self.model.lm_head(hidden[torch.tensor(last_index)])
         emitting = [w for w in works if w.emits]
         chosen = logits.argmax(dim=-1).tolist()  # plain greedy rows, all in one call
+        log_probs: list[float | None] = [None] * len(emitting)
         for i, work in enumerate(emitting):
             seq = work.seq
             sampling = seq.sampling
@@ -214,10 +216,15 @@ class ModelRunner:
             if sampling.greedy:
                 if row is not None:
                     chosen[i] = int(row.argmax().item())
+                if seq.return_log_probs:
+                    scores = logits[i] if row is None else row
+                    log_probs[i] = float(torch.log_softmax(scores, dim=-1)[chosen[i]].item())
             else:
                 row = logits[i] if row is None else row
-                chosen[i] = self._sample(row, sampling, len(seq.generated))
-        return [int(token) for token in chosen]
+                chosen[i], log_probs[i] = self._sample(row, sampling, len(seq.generated))
+                if not seq.return_log_probs:
+                    log_probs[i] = None
+        return Sampled([int(token) for token in chosen], log_probs)
 
     def _segment(
         self, q0: int, q1: int, start: int, end: int, pad: int, table: list[int]
@@ -246,7 +253,9 @@ class ModelRunner:
             mask[i, 0, 0, pad:length] = True
         return _Decode(torch.tensor(q_index, dtype=torch.long), block_index, mask)
 
-    def _sample(self, logits: torch.Tensor, sampling: Sampling, step: int) -> int:
+    def _sample(self, logits: torch.Tensor, sampling: Sampling, step: int) -> tuple[int, float]:
+        """The sampled token and its log probability under the distribution it was drawn from
+        (after temperature, top_k and top_p)."""
         scores = logits / max(sampling.temperature, 1e-5)
         if sampling.top_k > 0:
             kth = torch.topk(scores, min(sampling.top_k, scores.numel())).values[-1]
@@ -260,4 +269,5 @@ class ModelRunner:
         # random_seed is a uint64; torch takes a seed below 2**63 (found by `scheduler-svc
         # chaos`: a seed above it failed the engine's whole step).
         generator = torch.Generator().manual_seed(step_seed(sampling.seed, step))
-        return int(torch.multinomial(probs, 1, generator=generator).item())
+        token = int(torch.multinomial(probs, 1, generator=generator).item())
+        return token, float(torch.log(probs[token]).item())

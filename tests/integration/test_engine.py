@@ -108,6 +108,38 @@ def test_sampling_is_seeded(triton: TritonServer) -> None:
     assert sample(top) == sample(top) and len(sample(top)) == 12
 
 
+def test_log_probs_come_per_token_and_streamed_as_whole(triton: TritonServer) -> None:
+    prompt, asked = tokens(MIXED), {"return_log_probs": np.array([[True]])}
+    whole = generate(triton, prompt, 10, **asked)
+    out = whole.outputs[0]
+    values = out["output_log_probs"]
+    assert values.dtype == np.float32 and values.shape == (1, 1, 10)
+    assert np.all(values <= 0) and np.all(np.isfinite(values))
+    assert out["cum_log_probs"].shape == (1, 1)
+    assert float(out["cum_log_probs"][0, 0]) == pytest.approx(float(values.sum()), rel=1e-5)
+    assert out["sequence_index"].tolist() == [[0]]
+    streamed = generate(triton, prompt, 10, streaming=True, **asked)
+    assert streamed.tokens() == whole.tokens() == generate(triton, prompt, 10).tokens()
+    pieces = np.concatenate([o["output_log_probs"].reshape(-1) for o in streamed.outputs])
+    assert pieces == pytest.approx(values.reshape(-1), abs=1e-4)
+    running = [float(o["cum_log_probs"][0, 0]) for o in streamed.outputs]
+    assert running == pytest.approx(np.cumsum(pieces).tolist(), abs=1e-3)
+    # Sampled tokens are scored under the distribution they were drawn from; unasked, no log
+    # probabilities come back.
+    sampled = generate(
+        triton,
+        prompt,
+        6,
+        temperature=np.array([[0.5]], dtype=np.float32),
+        runtime_top_k=np.array([[8]], dtype=np.int32),
+        random_seed=np.array([[3]], dtype=np.uint64),
+        **asked,
+    )
+    drawn = sampled.outputs[0]["output_log_probs"]
+    assert drawn.shape == (1, 1, 6) and np.all(drawn <= 0) and np.all(np.isfinite(drawn))
+    assert "output_log_probs" not in generate(triton, prompt, 4).outputs[0]
+
+
 @pytest.mark.parametrize(
     ("tensors", "needle"),
     [

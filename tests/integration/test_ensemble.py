@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import numpy as np
+import pytest
 import tritonclient.grpc.aio as grpcaio
 
 from scheduler_svc.tokenizer import load_tokenizer
@@ -53,6 +55,24 @@ def test_asyncio_tritonclient_streams_unchanged(triton: TritonServer) -> None:
         return chunks
 
     assert len(asyncio.run(run())) == 6
+
+
+def test_log_probs_pass_through_the_ensemble(triton: TritonServer) -> None:
+    asked = {**text_request(MIXED, 6), "return_log_probs": np.array([[True]])}
+    text = infer(triton.grpc_url, "ensemble", asked)
+    engine = infer(
+        triton.grpc_url,
+        "tensorrt_llm",
+        engine_request(tokens(MIXED), 6, return_log_probs=np.array([[True]])),
+    )
+    assert text.error is None and engine.error is None
+    out, reference = text.outputs[0], engine.outputs[0]
+    assert out["output_log_probs"].shape == (1, 1, 6)
+    assert out["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-4)
+    assert out["cum_log_probs"] == pytest.approx(reference["cum_log_probs"], abs=1e-3)
+    plain = infer(triton.grpc_url, "ensemble", text_request(MIXED, 6))
+    assert plain.error is None and "output_log_probs" not in plain.outputs[0]
+    assert plain.texts() == text.texts()
 
 
 def test_empty_prompt_is_refused_clearly(triton: TritonServer) -> None:

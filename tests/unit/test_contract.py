@@ -141,11 +141,17 @@ def test_penalties_bad_words_and_min_length_per_row() -> None:
     assert first.bad_words == second.bad_words == ((7,), (8, 9))
 
 
+def test_log_probs_are_asked_for_per_row() -> None:
+    first, second = parse_request(good(return_log_probs=np.array([[True], [False]])), CFG).rows
+    assert (first.return_log_probs, second.return_log_probs) == (True, False)
+    assert not any(r.return_log_probs for r in parse_request(good(), CFG).rows)
+
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
         ({"beam_width": np.array([[2], [2]], dtype=np.int32)}, "beam_width: 2; this engine"),
-        ({"return_log_probs": np.array([[True], [False]])}, "return_log_probs"),
+        ({"return_context_logits": np.array([[True], [False]])}, "return_context_logits"),
         ({"return_generation_logits": np.array([[True], [True]])}, "return_generation_logits"),
         ({"exclude_input_in_output": np.array([[False], [False]])}, "exclude_input_in_output"),
         ({"repetition_penalty": np.array([[0.0], [1.0]], dtype=np.float32)}, "repetition_"),

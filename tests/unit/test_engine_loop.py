@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler_svc.engine.batcher import Work
+from scheduler_svc.engine.batcher import Sampled, Work
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.engine import Engine, EngineStats
 from scheduler_svc.engine.errors import EngineError
@@ -37,7 +37,8 @@ class SteppedRunner:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("simulated kernel failure")
-        return [100 + len(w.seq.generated) for w in works if w.emits]
+        tokens = [100 + len(w.seq.generated) for w in works if w.emits]
+        return Sampled(tokens, [None] * len(tokens))
 
 
 @dataclass
@@ -60,7 +61,14 @@ class RecordingSink:
     def _end(self, key: str, how: str) -> None:
         self.ends.setdefault(key, []).append(how)
 
-    def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
+    def emit(
+        self,
+        request: EngineRequest,
+        seq: Sequence,
+        tokens: list[int],
+        log_probs: list[float] | None,
+        final: bool,
+    ) -> None:
         self._check(request, "emit")
         with self.changed:
             self.messages.append((request.key, seq.row, tokens, final))

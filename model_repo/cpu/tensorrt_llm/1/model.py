@@ -266,14 +266,33 @@ class TritonPythonModel:
 
     # -- Sink --------------------------------------------------------------------------------
 
-    def emit(self, request: EngineRequest, seq: Sequence, tokens: list[int], final: bool) -> None:
+    def emit(
+        self,
+        request: EngineRequest,
+        seq: Sequence,
+        tokens: list[int],
+        log_probs: list[float] | None,
+        final: bool,
+    ) -> None:
         if not request.streaming and not self.cfg.exclude_input_in_output:
             tokens = list(seq.prompt) + tokens
         outputs = [
             pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, -1)),
             pb_utils.Tensor("sequence_length", np.asarray([[len(tokens)]], dtype=np.int32)),
             pb_utils.Tensor("batch_index", np.asarray([[seq.row]], dtype=np.int32)),
+            pb_utils.Tensor("sequence_index", np.asarray([[0]], dtype=np.int32)),  # one beam
         ]
+        if log_probs is not None:
+            # TensorRT-LLM's layout, one beam: this response's tokens' log probabilities
+            # [1, 1, n], and the row's running sum over every token generated so far [1, 1].
+            outputs += [
+                pb_utils.Tensor(
+                    "output_log_probs", np.asarray(log_probs, dtype=np.float32).reshape(1, 1, -1)
+                ),
+                pb_utils.Tensor(
+                    "cum_log_probs", np.asarray([[sum(seq.log_probs)]], dtype=np.float32)
+                ),
+            ]
         handle: _Handle = request.handle  # type: ignore[assignment]
         handle.sender.send(
             pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0
