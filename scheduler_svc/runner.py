@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from scheduler_svc.backends.base import Backend, Batching, EngineProfile, GenerationInput
+from scheduler_svc.backends.base import Backend, Batching, EngineProfile, GenerationInput, Tokens
 from scheduler_svc.core.types import BatchInfo
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -46,22 +46,23 @@ _T = TypeVar("_T")
 
 
 class RowChannel:
-    """One member's row: the runner puts new ids, then one end (or an error); the member reads.
+    """One member's row: the runner puts new ids (with their log probabilities, where asked),
+    then one end (or an error); the member reads.
 
     It holds at most the row's max_tokens ids plus its end, since the runner stops a row there.
     """
 
     def __init__(self) -> None:
-        self._items: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
+        self._items: asyncio.Queue[Tokens | BaseException | None] = asyncio.Queue()
         self.ended = False  # the runner said its last word
         self.closed = False  # the reader left
         self._on_close: list[Callable[[], None]] = []
 
     # -- the runner's side -------------------------------------------------------------------
 
-    def put(self, ids: list[int]) -> None:
+    def put(self, tokens: Tokens) -> None:
         if not self.ended and not self.closed:
-            self._items.put_nowait(ids)
+            self._items.put_nowait(tokens)
 
     def end(self, error: BaseException | None = None) -> None:
         if not self.ended:
@@ -77,7 +78,7 @@ class RowChannel:
 
     # -- the reader's side -------------------------------------------------------------------
 
-    async def tokens(self, deadline: float | None = None) -> AsyncGenerator[list[int], None]:
+    async def tokens(self, deadline: float | None = None) -> AsyncGenerator[Tokens, None]:
         """Yield the row's new ids until its end; raise the runner's error if it failed, and
         MaxDurationError if the end has not come by `deadline` (the event loop's clock)."""
         while True:
@@ -196,8 +197,8 @@ class RowRunner(_Runner):
         try:
             if not row.channel.closed:  # a reader that left before dispatch costs nothing
                 async with contextlib.aclosing(self.backend.stream(row.input)) as answers:
-                    async for ids in self._watched(answers):
-                        produced = self._deliver(row, produced, ids)
+                    async for tokens in self._watched(answers):
+                        produced = self._deliver(row, produced, tokens)
                 natural = True
         except BaseException as exc:
             error = exc
@@ -205,9 +206,9 @@ class RowRunner(_Runner):
             row.channel.end(None if error is None else _failure(error))
             self.report.done(row.request_id, produced if natural else None)
 
-    def _deliver(self, row: Row, produced: int, ids: list[int]) -> int:
-        row.channel.put(ids)
-        now = produced + len(ids)
+    def _deliver(self, row: Row, produced: int, tokens: Tokens) -> int:
+        row.channel.put(tokens)
+        now = produced + len(tokens.ids)
         # The first tokens say the prompt is prefilled (the policy's prefill shares); then
         # every PROGRESS_EVERY_TOKENS (its KV growth).
         first = produced == 0 < now
@@ -268,14 +269,14 @@ class StaticRunner(_Runner):
         request_id = f"{self._prefix}-b{next(self._ids)}"
         answers = self.backend.stream_batch(request_id, inputs, timeout)
         async with contextlib.aclosing(answers) as stream:
-            async for index, ids in self._watched(stream):
+            async for index, tokens in self._watched(stream):
                 if not 0 <= index < len(rows) or finished[index]:
                     continue  # a row past its end keeps computing pads inside the engine
                 row, inp = rows[index], inputs[index]
                 before = produced[index]
-                produced[index] += len(ids)
-                row.channel.put(ids)
-                if produced[index] >= inp.max_tokens or inp.end_id in ids:
+                produced[index] += len(tokens.ids)
+                row.channel.put(tokens)
+                if produced[index] >= inp.max_tokens or inp.end_id in tokens.ids:
                     finished[index] = True
                     row.channel.end()
                 elif produced[index] // PROGRESS_EVERY_TOKENS > before // PROGRESS_EVERY_TOKENS:

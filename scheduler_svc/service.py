@@ -31,6 +31,7 @@ from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
 from scheduler_svc.core.quota import Limits, TenantQuotas
 from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
+    BackendFailedError,
     BackendUnavailableError,
     BadRequestError,
     ConfigError,
@@ -103,6 +104,8 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Each generated token's log probability back, where the engine produces them.
+    return_log_probs: bool = False
     urgency: Urgency = Urgency.STANDARD
     tenant: str = ""
     queue_timeout_s: float | None = None
@@ -114,6 +117,8 @@ class GenerationParams:
 class Delta:
     text: str
     token_ids: tuple[int, ...]
+    # One per token id, where the request asked for log probabilities (None otherwise).
+    log_probs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ class Final:
     ttft_ms: float
     total_ms: float
     lane: str
+    log_probs: tuple[float, ...] | None = None  # one per token id, where asked
 
 
 class GenerationService:
@@ -353,6 +359,7 @@ class GenerationService:
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
+            return_log_probs=params.return_log_probs,
         )
         # The server's own cap on a request's life, within the client's deadline if it set one.
         remaining = self.cfg.server.max_request_s
@@ -434,16 +441,27 @@ class GenerationService:
     ) -> AsyncGenerator[Delta | Final, None]:
         """Read this request's row, detokenize, stop at stop strings, end with a Final."""
         text = TextStream(self.tokenizer, params.stop)
-        async for ids in ticket.channel.tokens(ends_at):
+        asked = params.return_log_probs
+        log_probs: list[float] = []
+        async for tokens in ticket.channel.tokens(ends_at):
             run.first_token_at = run.first_token_at or time.monotonic()
-            delta = text.push(ids)
+            delta = text.push(tokens.ids)
             run.completion_tokens = len(text.ids)
-            yield Delta(delta, tuple(ids))
+            probs = None
+            if asked:
+                probs = tuple(tokens.log_probs or ())
+                if len(probs) != len(tokens.ids):
+                    raise BackendFailedError(
+                        f"the engine sent {len(probs)} log probabilities for "
+                        f"{len(tokens.ids)} tokens"
+                    )
+                log_probs += probs
+            yield Delta(delta, tuple(tokens.ids), probs)
             if text.stopped:
                 break  # leaving closes the row's channel: the runner stops it in the engine
         tail = text.finish()
         if tail:
-            yield Delta(tail, ())
+            yield Delta(tail, (), () if asked else None)
         ended = time.monotonic()
         run.outcome = "ok"
         yield Final(
@@ -457,6 +475,7 @@ class GenerationService:
             ttft_ms=((run.first_token_at or ended) - run.started) * 1000,
             total_ms=(ended - run.started) * 1000,
             lane=run.lane,
+            log_probs=tuple(log_probs) if asked else None,
         )
 
 

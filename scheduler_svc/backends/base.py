@@ -59,6 +59,16 @@ class GenerationInput:
     frequency_penalty: float = 0.0
     # Seconds the client still waits; the backend call is cut off then.
     timeout_s: float | None = None
+    # Whether each generated id comes with its log probability (return_log_probs).
+    return_log_probs: bool = False
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Newly generated ids, with their log probabilities where the request asked for them."""
+
+    ids: list[int]
+    log_probs: list[float] | None = None
 
 
 DEFAULT_ENGINE_MODEL = "tensorrt_llm"  # TensorRT-LLM's engine model, as its templates name it
@@ -90,13 +100,13 @@ class Backend(Protocol):
         """The engine's (free, total) KV blocks now, or None when they cannot be read."""
         ...
 
-    def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
+    def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
         """Yield newly generated ids as they come; closing the iterator ends the request."""
         ...
 
     def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
-    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
         """Every row in one request; yield (row index, new ids) as the engine streams them.
         Closing the iterator ends the request."""
         ...

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
-from scheduler_svc.backends.base import EngineProfile, GenerationInput
+from scheduler_svc.backends.base import EngineProfile, GenerationInput, Tokens
 from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import TritonConfig
@@ -96,26 +96,26 @@ class TritonPool:
 
         return min(candidates, key=key)
 
-    async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
         endpoint = self.pick()
         endpoint.in_flight += 1
         try:
-            async with contextlib.aclosing(endpoint.backend.stream(request)) as tokens:
-                async for ids in tokens:
-                    yield ids
+            async with contextlib.aclosing(endpoint.backend.stream(request)) as answers:
+                async for tokens in answers:
+                    yield tokens
         finally:
             endpoint.in_flight -= 1
 
     async def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
-    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
         endpoint = self.pick()
         endpoint.in_flight += len(rows)
         try:
             answers = endpoint.backend.stream_batch(request_id, rows, timeout_s)
             async with contextlib.aclosing(answers) as stream:
-                async for row, ids in stream:
-                    yield row, ids
+                async for row, tokens in stream:
+                    yield row, tokens
         finally:
             endpoint.in_flight -= len(rows)
 

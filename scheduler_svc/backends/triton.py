@@ -27,6 +27,7 @@ from scheduler_svc.backends.base import (
     Batching,
     EngineProfile,
     GenerationInput,
+    Tokens,
 )
 from scheduler_svc.backends.kvpoll import read_kv_blocks
 from scheduler_svc.config import TritonConfig, TritonTls
@@ -106,6 +107,9 @@ def _word_tensors(request: service_pb2.ModelInferRequest, rows: list[GenerationI
         _tensor(request, "stop_words_list", "INT32", word_lists([r.stop_words for r in rows]))
     if any(r.bad_words for r in rows):
         _tensor(request, "bad_words_list", "INT32", word_lists([r.bad_words for r in rows]))
+    if any(r.return_log_probs for r in rows):
+        flags = column([[r.return_log_probs] for r in rows], np.bool_)
+        _tensor(request, "return_log_probs", "BOOL", flags)
 
 
 def build_batch_request(
@@ -193,6 +197,31 @@ def batch_index(response: service_pb2.ModelInferResponse) -> int:
 def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
     """The generated ids in one response ([] for an empty final response)."""
     return _int32s(response, "output_ids") or []
+
+
+def output_log_probs(response: service_pb2.ModelInferResponse, count: int) -> list[float]:
+    """The log probabilities of a response's `count` ids (TensorRT-LLM's `output_log_probs`,
+    FP32 [1, 1, n]); a missing or short one is BackendFailedError naming it."""
+    for index, tensor in enumerate(response.outputs):
+        if tensor.name != "output_log_probs":
+            continue
+        if index < len(response.raw_output_contents):
+            raw = response.raw_output_contents[index]
+            if len(raw) % 4:
+                raise BackendFailedError(
+                    f"Triton sent a malformed 'output_log_probs' output ({len(raw)} bytes of FP32)"
+                )
+            values = [float(v) for v in np.frombuffer(raw, dtype="<f4")]
+        else:
+            values = [float(v) for v in tensor.contents.fp32_contents]
+        if len(values) < count:
+            raise BackendFailedError(
+                f"Triton sent {len(values)} 'output_log_probs' values for {count} ids"
+            )
+        # The last `count` values are this response's ids' (an engine that repeats the
+        # earlier ones in a streamed response sends them first).
+        return values[len(values) - count :]
+    raise BackendFailedError("Triton sent no 'output_log_probs' output (return_log_probs asked)")
 
 
 def _int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:
@@ -402,24 +431,33 @@ class TritonBackend:
         except grpc.aio.AioRpcError as exc:
             raise from_repository_status(exc.code(), exc.details() or "") from None
 
-    async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
         message = build_request(self.engine_model, request)
-        async with contextlib.aclosing(self._responses(message, request.timeout_s)) as answers:
-            async for _, ids in answers:
-                yield ids
+        asked = frozenset({0}) if request.return_log_probs else frozenset()
+        answers = self._responses(message, request.timeout_s, asked)
+        async with contextlib.aclosing(answers) as stream:
+            async for _, tokens in stream:
+                yield tokens
 
     async def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
-    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
         """Every row in one request; yield (row, new ids) as the engine streams them."""
         message = build_batch_request(self.engine_model, request_id, rows)
-        async with contextlib.aclosing(self._responses(message, timeout_s)) as answers:
-            async for row, ids in answers:
-                yield row, ids
+        asked = frozenset(i for i, r in enumerate(rows) if r.return_log_probs)
+        answers = self._responses(message, timeout_s, asked)
+        async with contextlib.aclosing(answers) as stream:
+            async for row, tokens in stream:
+                yield row, tokens
 
     async def _responses(
-        self, message: service_pb2.ModelInferRequest, timeout_s: float | None
-    ) -> AsyncGenerator[tuple[int, list[int]], None]:
+        self,
+        message: service_pb2.ModelInferRequest,
+        timeout_s: float | None,
+        log_probs: frozenset[int],
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
+        """(row, its new ids) per response; with their log probabilities for the rows in
+        `log_probs` (those that asked)."""
         outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
         outbox.put_nowait(message)
 
@@ -454,7 +492,9 @@ class TritonBackend:
                 ids = output_ids(infer)
                 final = is_final(infer)
                 if ids:
-                    yield batch_index(infer), ids
+                    row = batch_index(infer)
+                    probs = output_log_probs(infer, len(ids)) if row in log_probs else None
+                    yield row, Tokens(ids, probs)
                 if final:
                     finished = True
                     return

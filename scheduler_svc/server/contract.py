@@ -3,6 +3,9 @@ Triton's request parameters, the row bound, and what the engine cannot do."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 from tritonclient.grpc import service_pb2 as kv
 
 from scheduler_svc.core.types import Urgency
@@ -26,9 +29,13 @@ def typed_contents(tensor: kv.ModelInferRequest.InferInputTensor, datatype: str)
 
 
 MAX_ROWS = 64  # rows of one batched request (the ensemble's max_batch_size)
-# What the engine cannot produce: refused by name, as the engine itself refuses it.
+# Outputs both contracts answer beside their own: log probabilities where a row asked, and
+# which row (batch_index) and which of its sequences (sequence_index: one beam, 0).
+LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+INDEX_OUTPUTS = ("batch_index", "sequence_index")
+# What the engine cannot produce: refused by name, as the engine itself refuses it. (Log
+# probabilities it produces: `return_log_probs` is passed on.)
 _NOT_PRODUCED = {
-    "return_log_probs": "log probabilities are not produced by this engine",
     "return_context_logits": "context logits are not produced by this engine",
     "return_generation_logits": "generation logits are not produced by this engine",
 }
@@ -53,9 +60,57 @@ def triton_urgency(priority: int | None) -> Urgency:
     return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What one response of a row carries: text (the text contract), ids (the engine's), and
+    the ids' log probabilities where the row asked for them."""
+
+    text: str = ""
+    ids: tuple[int, ...] = ()
+    log_probs: tuple[float, ...] | None = None
+
+    def __add__(self, later: Piece) -> Piece:
+        probs = None
+        if self.log_probs is not None or later.log_probs is not None:
+            probs = (self.log_probs or ()) + (later.log_probs or ())
+        return Piece(self.text + later.text, self.ids + later.ids, probs)
+
+
+def add_log_probs(
+    response: kv.ModelInferResponse,
+    rows: list[tuple[float, ...] | None],
+    cums: list[float],
+) -> None:
+    """TensorRT-LLM's log-probability outputs for one beam, FP32: `output_log_probs`
+    [rows, 1, n] (each row's tokens in this response, padded with 0.0 to the longest) and
+    `cum_log_probs` [rows, 1] (each row's sum so far). Added when any row asked; a row that
+    did not reads 0.0."""
+    if all(r is None for r in rows):
+        return
+    width = max(1, *(len(r or ()) for r in rows))
+    values = np.zeros((len(rows), 1, width), dtype="<f4")
+    for i, row in enumerate(rows):
+        values[i, 0, : len(row or ())] = row or ()
+    cum = np.asarray([[c] for c in cums], dtype="<f4")
+    for name, data in (("cum_log_probs", cum), ("output_log_probs", values)):
+        out = response.outputs.add()
+        out.name, out.datatype = name, "FP32"
+        out.shape.extend(data.shape)
+        response.raw_output_contents.append(data.tobytes())
+
+
+def add_row_index(response: kv.ModelInferResponse, row: int) -> None:
+    """batch_index and sequence_index [1, 1]: which row of a batched request this answers."""
+    for name, value in (("batch_index", row), ("sequence_index", 0)):
+        out = response.outputs.add()
+        out.name, out.datatype = name, "INT32"
+        out.shape.extend([1, 1])
+        response.raw_output_contents.append(np.asarray([[value]], dtype="<i4").tobytes())
+
+
 def refuse_what_the_engine_cannot_do(values: dict[str, object]) -> None:
-    """Beams, log probs, logits and prompts in the output: refused by name (the text and the
-    engine contracts name these inputs alike)."""
+    """Beams, logits and prompts in the output: refused by name (the text and the engine
+    contracts name these inputs alike)."""
     beams = values.get("beam_width", 1)
     if beams != 1:
         raise BadRequestError(f"beam_width: {beams}; this engine decodes one beam (beam_width 1)")

@@ -344,7 +344,7 @@ class HttpFront:
         params = openai.params_of(
             body, self.model, request_id, self._objective(request), tenant, self.chat
         )
-        answer = openai.Answer(chat, request_id, self.model)
+        answer = openai.Answer(chat, request_id, self.model, self.service.tokenizer)
         usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def whole(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:
@@ -355,9 +355,17 @@ class HttpFront:
             raise InternalError("generation ended without a final answer")
 
         async def chunks(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:
-            async for event in events:
-                if isinstance(event, Delta) and not event.text:
-                    continue
+            carry: Delta | None = None  # tokens whose text has not come yet
+            async for got in events:
+                event = got
+                if isinstance(got, Delta):
+                    event = _joined(carry, got)
+                    if not event.text:
+                        carry = event
+                        continue
+                    carry = None
+                elif carry is not None and carry.token_ids:
+                    yield answer.chunk(carry, usage)  # their log probabilities still go out
                 yield answer.chunk(event, usage)
                 if isinstance(event, Final):
                     if usage:
@@ -415,7 +423,11 @@ class HttpFront:
                     }
                     for name, spec in INPUTS.items()
                 ],
-                "outputs": [{"name": OUTPUT, "datatype": "BYTES", "shape": [-1, -1]}],
+                "outputs": [
+                    {"name": OUTPUT, "datatype": "BYTES", "shape": [-1, -1]},
+                    {"name": "cum_log_probs", "datatype": "FP32", "shape": [-1, -1]},
+                    {"name": "output_log_probs", "datatype": "FP32", "shape": [-1, -1, -1]},
+                ],
             }
         )
 
@@ -439,26 +451,50 @@ class HttpFront:
         params = _with(params, objective, tenant)
         stream = bool(values.get("stream", False)) and streamed
 
-        def response(text: str) -> dict[str, Any]:
-            return {"model_name": self.model, "model_version": "1", OUTPUT: text}
+        cum = [0.0]  # the log probabilities so far
+
+        def response(text: str, log_probs: tuple[float, ...] | None) -> dict[str, Any]:
+            out: dict[str, Any] = {"model_name": self.model, "model_version": "1", OUTPUT: text}
+            if log_probs is not None:
+                # As Triton's generate answers an FP32 tensor: one value bare, more as a list.
+                cum[0] += sum(log_probs)
+                out["cum_log_probs"] = cum[0]
+                out["output_log_probs"] = log_probs[0] if len(log_probs) == 1 else list(log_probs)
+            return out
 
         async def shape(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:
             """One response with the whole text; or, streaming, one per text delta (the
-            text so far with accumulate_tokens), and one empty response if there was none."""
+            text so far with accumulate_tokens), and one empty response if there was none. A
+            delta with no text yet passes its log probabilities on to the next response."""
             shown = ""
+            carry: tuple[float, ...] | None = None
             async for event in events:
                 if isinstance(event, Final):
                     if not stream:
-                        yield response(event.text)
-                    elif not shown:
-                        yield response("")
+                        yield response(event.text, event.log_probs)
+                    elif not shown or carry:
+                        yield response("", carry)
                     return
-                if stream and event.text:
+                if not stream:
+                    continue
+                if event.log_probs is not None:
+                    carry = (carry or ()) + event.log_probs
+                if event.text:
                     shown += event.text
-                    yield response(shown if accumulate else event.text)
+                    yield response(shown if accumulate else event.text, carry)
+                    carry = None
             raise InternalError("generation ended without a final answer")
 
         return await self._answer(request, params, shape, streamed, None)
+
+
+def _joined(earlier: Delta | None, later: Delta) -> Delta:
+    if earlier is None:
+        return later
+    probs = None
+    if earlier.log_probs is not None or later.log_probs is not None:
+        probs = (earlier.log_probs or ()) + (later.log_probs or ())
+    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids, probs)
 
 
 def _generate_inputs(

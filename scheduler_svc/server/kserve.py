@@ -3,8 +3,10 @@
 A stock tritonclient program points at the sidecar instead of Triton: `text_input`, `max_tokens`,
 `stream` and the optional `temperature` / `top_k` / `top_p` / `random_seed` in, `text_output` out,
 unary (`ModelInfer`) or streaming (`ModelStreamInfer`, one response per text delta when `stream`
-is true, the last flagged `triton_final_response`). Triton's request parameters `priority`
-(1 is most urgent) and `timeout` (microseconds in the queue) are honoured here.
+is true, the last flagged `triton_final_response`); with `return_log_probs`, each response also
+carries its tokens' `output_log_probs` and the row's `cum_log_probs`. Triton's request
+parameters `priority` (1 is most urgent) and `timeout` (microseconds in the queue) are honoured
+here.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ from scheduler_svc.errors import (
     grpc_status,
 )
 from scheduler_svc.server.contract import (
+    INDEX_OUTPUTS,
+    LOG_PROB_OUTPUTS,
     MAX_ROWS,
     NUMPY_DTYPES,
+    Piece,
+    add_log_probs,
+    add_row_index,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     triton_urgency,
@@ -55,7 +62,6 @@ MAX_NAME_CHARS = 256
 
 log = structlog.get_logger("scheduler_svc.kserve")
 T = TypeVar("T")
-P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ INPUTS: dict[str, _Spec] = {
 }
 
 OUTPUT = "text_output"
-BATCH_INDEX = "batch_index"  # which row of a batched request a streamed response answers
+TEXT_OUTPUTS = (OUTPUT, *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 
 def _deserialize_bytes(raw: bytes) -> list[bytes]:
@@ -174,8 +180,10 @@ def parse_infer_request(
                 f"input '{name}' has {len(column)} rows; text_input has {rows} (or give 1)"
             )
     for output in request.outputs:
-        if output.name not in (OUTPUT, BATCH_INDEX):
-            raise BadRequestError(f"unknown output {clip(output.name)} (this model has '{OUTPUT}')")
+        if output.name not in TEXT_OUTPUTS:
+            raise BadRequestError(
+                f"unknown output {clip(output.name)} (this model has {TEXT_OUTPUTS})"
+            )
     timeout_us = request_parameter(request, "timeout")
     priority = request_parameter(request, "priority")
     params = [
@@ -239,6 +247,7 @@ def params_from_inputs(
         repetition_penalty=number("repetition_penalty", 1.0),
         presence_penalty=number("presence_penalty", 0.0),
         frequency_penalty=number("frequency_penalty", 0.0),
+        return_log_probs=bool(values.get("return_log_probs", False)),
         urgency=triton_urgency(priority),
         queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
         time_remaining_s=time_remaining_s,
@@ -270,9 +279,11 @@ def _response(
     texts: list[str],
     final: bool | None = None,
     row: int | None = None,
+    log_probs: list[tuple[float, ...] | None] | None = None,
+    cums: list[float] | None = None,
 ) -> kv.ModelInferResponse:
-    """text_output [rows, 1]; with `row`, one row's answer and its batch_index, as Triton
-    streams the rows of a batched request."""
+    """text_output [rows, 1]; the log-probability outputs where a row asked; with `row`, one
+    row's answer and its batch_index, as Triton streams the rows of a batched request."""
     response = kv.ModelInferResponse(
         model_name=request.model_name, model_version="1", id=request.id
     )
@@ -280,22 +291,13 @@ def _response(
     out.name, out.datatype = OUTPUT, "BYTES"
     out.shape.extend([len(texts), 1])
     response.raw_output_contents.append(_serialize_bytes([t.encode("utf-8") for t in texts]))
+    if log_probs is not None:
+        add_log_probs(response, log_probs, cums or [0.0] * len(texts))
     if row is not None:
-        index = response.outputs.add()
-        index.name, index.datatype = BATCH_INDEX, "INT32"
-        index.shape.extend([1, 1])
-        response.raw_output_contents.append(np.asarray([[row]], dtype="<i4").tobytes())
+        add_row_index(response, row)
     if final is not None:
         response.parameters["triton_final_response"].bool_param = final
     return response
-
-
-def _stream_response(
-    request: kv.ModelInferRequest, text: str, final: bool, row: int | None = None
-) -> kv.ModelStreamInferResponse:
-    return kv.ModelStreamInferResponse(
-        infer_response=_response(request, [text], final=final, row=row)
-    )
 
 
 class TritonCalls(Protocol):
@@ -382,7 +384,10 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         for name, spec in INPUTS.items():
             meta.inputs.add(name=name, datatype=spec.datatype, shape=[-1, -1 if spec.words else 1])
         meta.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1, -1])
-        meta.outputs.add(name=BATCH_INDEX, datatype="INT32", shape=[-1, 1])
+        meta.outputs.add(name="cum_log_probs", datatype="FP32", shape=[-1, -1])
+        meta.outputs.add(name="output_log_probs", datatype="FP32", shape=[-1, -1, -1])
+        for name in INDEX_OUTPUTS:
+            meta.outputs.add(name=name, datatype="INT32", shape=[-1, 1])
         return meta
 
     async def ModelConfig(
@@ -399,7 +404,10 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 optional=spec.optional,
             )
         config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
-        config.output.add(name=BATCH_INDEX, data_type=mc.TYPE_INT32, dims=[1])
+        config.output.add(name="cum_log_probs", data_type=mc.TYPE_FP32, dims=[-1])
+        config.output.add(name="output_log_probs", data_type=mc.TYPE_FP32, dims=[-1, -1])
+        for name in INDEX_OUTPUTS:
+            config.output.add(name=name, data_type=mc.TYPE_INT32, dims=[1])
         config.model_transaction_policy.decoupled = True
         return kv.ModelConfigResponse(config=config)
 
@@ -464,12 +472,16 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         if self._is_engine(request):
             rows, _ = parse_engine_request(request, context.time_remaining())
             finals = await _side_by_side([self._whole(params) for params in rows])
-            return engine_batch_response(
-                request, [f.token_ids for f in finals], self.service.cfg.model.pad_id
-            )
+            return engine_batch_response(request, finals, self.service.cfg.model.pad_id)
         rows, _ = parse_infer_request(request, self.model, context.time_remaining())
         finals = await _side_by_side([self._whole(params) for params in rows])
-        return _response(request, [f.text for f in finals])
+        asked = any(f.log_probs is not None for f in finals)
+        return _response(
+            request,
+            [f.text for f in finals],
+            log_probs=[f.log_probs for f in finals] if asked else None,
+            cums=[sum(f.log_probs or ()) for f in finals],
+        )
 
     async def _whole(self, params: GenerationParams) -> Final:
         async with contextlib.aclosing(self.service.generate(params)) as events:
@@ -579,12 +591,11 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         """One row of an engine-contract request: new token ids per response when streaming,
         else all of them at the end."""
 
-        def answer(tokens: tuple[int, ...], final: bool) -> kv.ModelStreamInferResponse:
-            response = engine_response(request, tokens, final, row)
+        def answer(piece: Piece, cum: float, final: bool) -> kv.ModelStreamInferResponse:
+            response = engine_response(request, piece, cum, final, row)
             return kv.ModelStreamInferResponse(infer_response=response)
 
-        none: tuple[int, ...] = ()
-        await self._stream_row(params, stream, left, out, lambda e: e.token_ids, answer, none)
+        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.ids))
 
     async def _row_streamed(
         self,
@@ -597,10 +608,13 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> None:
         """One row of a text request: a response per text delta when streaming, else one."""
 
-        def answer(text: str, final: bool) -> kv.ModelStreamInferResponse:
-            return _stream_response(request, text, final, row)
+        def answer(piece: Piece, cum: float, final: bool) -> kv.ModelStreamInferResponse:
+            probs: list[tuple[float, ...] | None] = [piece.log_probs]
+            asked = piece.log_probs is not None
+            response = _response(request, [piece.text], final, row, probs if asked else None, [cum])
+            return kv.ModelStreamInferResponse(infer_response=response)
 
-        await self._stream_row(params, stream, left, out, lambda e: e.text, answer, "")
+        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.text))
 
     async def _stream_row(
         self,
@@ -608,24 +622,38 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         stream: bool,
         left: list[int],
         out: asyncio.Queue[kv.ModelStreamInferResponse | None],
-        piece: Callable[[Delta | Final], P],
-        answer: Callable[[P, bool], kv.ModelStreamInferResponse],
-        empty: P,
+        answer: Callable[[Piece, float, bool], kv.ModelStreamInferResponse],
+        shows: Callable[[Piece], bool],
     ) -> None:
-        """Generate one row and answer it: each piece (held back one, so the very last
-        response of the request can be flagged final), or the whole piece at the end."""
-        held: P | None = None
+        """Generate one row and answer it: each piece that `shows` something (held back one,
+        so the very last response of the request can be flagged final), or the whole row at
+        the end. A delta that shows nothing (ids whose text is not complete yet) rides with
+        the next one, so every token's log probability goes out exactly once."""
+        held: Piece | None = None
+        carry = Piece()
+        cum = 0.0  # the row's log probabilities so far, up to the held piece
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Delta):
-                    if stream and piece(event):
-                        if held is not None:
-                            await out.put(answer(held, False))
-                        held = piece(event)
+                    if not stream:
+                        continue
+                    piece = carry + Piece(event.text, event.token_ids, event.log_probs)
+                    if not shows(piece):
+                        carry = piece
+                        continue
+                    if held is not None:
+                        cum += sum(held.log_probs or ())
+                        await out.put(answer(held, cum, False))
+                    held, carry = piece, Piece()
                     continue
                 left[0] -= 1
-                last = (empty if held is None else held) if stream else piece(event)
-                await out.put(answer(last, left[0] == 0))
+                if stream:
+                    last = (held or Piece()) + carry
+                    cum += sum(last.log_probs or ())
+                else:
+                    last = Piece(event.text, event.token_ids, event.log_probs)
+                    cum = sum(last.log_probs or ())
+                await out.put(answer(last, cum, left[0] == 0))
                 return
         raise InternalError("generation ended without a final answer")
 

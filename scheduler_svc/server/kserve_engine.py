@@ -3,9 +3,10 @@
 TensorRT-LLM clients that talk to the engine model itself (`input_ids`, `input_lengths`,
 `request_output_len`, ...) point at the sidecar unchanged: each row becomes a request of the
 same `GenerationService` (the same lanes, quotas and KV admission as text requests) and the
-answer has the engine's shape: `output_ids` [1, 1, tokens], `sequence_length` [1, 1], and
-`batch_index` for the rows of a batched request; streamed (`streaming` true) one response per
-chunk of new tokens, else one per row.
+answer has the engine's shape: `output_ids` [1, 1, tokens], `sequence_length` [1, 1],
+`output_log_probs` [1, 1, tokens] and `cum_log_probs` [1, 1] where `return_log_probs` asks, and
+`batch_index` / `sequence_index` for the rows of a batched request; streamed (`streaming` true)
+one response per chunk of new tokens, else one per row.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from tritonclient.grpc import service_pb2 as kv
 
 from scheduler_svc.errors import BadRequestError, clip
 from scheduler_svc.server.contract import (
+    INDEX_OUTPUTS,
+    LOG_PROB_OUTPUTS,
     MAX_ROWS,
     NUMPY_DTYPES,
+    Piece,
+    add_log_probs,
+    add_row_index,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     triton_urgency,
     typed_contents,
 )
-from scheduler_svc.service import GenerationParams
+from scheduler_svc.service import Final, GenerationParams
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ ENGINE_INPUTS: dict[str, _In] = {
     "return_generation_logits": _In("BOOL", "one"),
     "exclude_input_in_output": _In("BOOL", "one"),
 }
-OUTPUTS = ("output_ids", "sequence_length", "batch_index")
+OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 
 def _array(request: kv.ModelInferRequest, index: int) -> npt.NDArray[np.generic]:
@@ -186,6 +192,7 @@ def parse_engine_request(
                 repetition_penalty=number("repetition_penalty", 1.0),
                 presence_penalty=number("presence_penalty", 0.0),
                 frequency_penalty=number("frequency_penalty", 0.0),
+                return_log_probs=bool(row.get("return_log_probs") or False),
                 urgency=triton_urgency(priority),
                 queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
                 time_remaining_s=time_remaining_s,
@@ -195,33 +202,37 @@ def parse_engine_request(
 
 
 def engine_response(
-    request: kv.ModelInferRequest, tokens: tuple[int, ...], final: bool, row: int | None
+    request: kv.ModelInferRequest, piece: Piece, cum: float, final: bool, row: int | None
 ) -> kv.ModelInferResponse:
-    """output_ids [1, 1, tokens] and sequence_length [1, 1] (one beam), with batch_index for a
-    row of a batched request."""
+    """output_ids [1, 1, tokens] and sequence_length [1, 1] (one beam), the log-probability
+    outputs where the row asked, and batch_index / sequence_index for a row of a batched
+    request."""
     response = kv.ModelInferResponse(
         model_name=request.model_name, model_version="1", id=request.id
     )
-    outputs = [
+    tokens = piece.ids
+    for name, shape, data in (
         ("output_ids", [1, 1, len(tokens)], np.asarray(tokens, dtype="<i4")),
         ("sequence_length", [1, 1], np.asarray([len(tokens)], dtype="<i4")),
-    ]
-    if row is not None:
-        outputs.append(("batch_index", [1, 1], np.asarray([row], dtype="<i4")))
-    for name, shape, data in outputs:
+    ):
         out = response.outputs.add()
         out.name, out.datatype = name, "INT32"
         out.shape.extend(shape)
         response.raw_output_contents.append(data.tobytes())
+    if piece.log_probs is not None:
+        add_log_probs(response, [piece.log_probs], [cum])
+    if row is not None:
+        add_row_index(response, row)
     response.parameters["triton_final_response"].bool_param = final
     return response
 
 
 def engine_batch_response(
-    request: kv.ModelInferRequest, rows: list[tuple[int, ...]], pad_id: int
+    request: kv.ModelInferRequest, finals: list[Final], pad_id: int
 ) -> kv.ModelInferResponse:
-    """Every row at once (unary): output_ids [rows, 1, longest] padded with `pad_id`, and
-    sequence_length [rows, 1]."""
+    """Every row at once (unary): output_ids [rows, 1, longest] padded with `pad_id`,
+    sequence_length [rows, 1], and the log-probability outputs where a row asked."""
+    rows = [f.token_ids for f in finals]
     width = max(1, *(len(r) for r in rows))
     ids = np.full((len(rows), 1, width), pad_id, dtype="<i4")
     for r, tokens in enumerate(rows):
@@ -235,4 +246,5 @@ def engine_batch_response(
         out.name, out.datatype = name, "INT32"
         out.shape.extend(data.shape)
         response.raw_output_contents.append(data.tobytes())
+    add_log_probs(response, [f.log_probs for f in finals], [sum(f.log_probs or ()) for f in finals])
     return response

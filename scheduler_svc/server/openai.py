@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies and answers: /v1/completions and /v1/chat/completions.
 
 Bodies are checked strictly: a field OpenAI defines that this engine cannot honour (n > 1,
-logprobs, penalties, ...) and a field nobody defines are both refused 400, naming the field,
-rather than silently ignored. Sampling follows OpenAI's defaults (temperature 1, top_p 1), so
+top log probabilities, logit biases, ...) and a field nobody defines are both refused 400,
+naming the field, rather than silently ignored. `logprobs` returns each chosen token's log
+probability (chat: `logprobs: true`; completions: `logprobs: 0`); the presence and frequency
+penalties go to the engine. Sampling follows OpenAI's defaults (temperature 1, top_p 1), so
 `temperature: 0` is greedy. The lane comes from the vLLM-style `priority` field (negative:
 interactive, 0: standard, positive: batch) or from a gateway's objective header.
 """
@@ -10,9 +12,12 @@ interactive, 0: standard, positive: batch) or from a gateway's objective header.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from scheduler_svc.chat import ChatTemplate, Message
 from scheduler_svc.core.types import Urgency
@@ -69,11 +74,11 @@ class _Common(_Body):
     priority: int | None = None
     ignore_eos: bool = False
     user: str | None = Field(None, max_length=256)
-    # Accepted at their defaults only: this engine has no logprobs, penalties or biases.
-    logprobs: Any = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    # Chat: true or false; completions: how many alternatives (0: the chosen token only).
+    logprobs: bool | int | None = None
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None  # accepted empty only: no biases here
 
 
 class CompletionBody(_Common):
@@ -109,12 +114,6 @@ def _refuse_unsupported(body: _Common) -> None:
 
     if body.n not in (None, 1):
         no("n", f"{body.n} choices asked; this server returns one (n = 1)")
-    if body.logprobs not in (None, False, 0):
-        no("logprobs", "log probabilities are not returned by this engine")
-    if body.presence_penalty not in (None, 0):
-        no("presence_penalty", "penalties are not applied by this engine; leave it 0")
-    if body.frequency_penalty not in (None, 0):
-        no("frequency_penalty", "penalties are not applied by this engine; leave it 0")
     if body.logit_bias:
         no("logit_bias", "logit biases are not applied by this engine")
     if isinstance(body, CompletionBody):
@@ -124,8 +123,30 @@ def _refuse_unsupported(body: _Common) -> None:
             no("best_of", "this server returns one choice (best_of = 1)")
         if body.suffix:
             no("suffix", "suffixes (insertion) are not supported")
-    if isinstance(body, ChatBody) and body.top_logprobs:
-        no("top_logprobs", "log probabilities are not returned by this engine")
+
+
+def log_probs_asked(body: CompletionBody | ChatBody) -> bool:
+    """Whether the body asks for each token's log probability; the alternatives OpenAI can
+    also list (top_logprobs, completions' logprobs > 0) are not produced by this engine."""
+    alternatives = "alternatives are not returned by this engine, only each chosen token's"
+    if isinstance(body, ChatBody):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise BadRequestError("logprobs: expected true or false")
+        if body.top_logprobs is not None:
+            if body.top_logprobs < 0 or body.top_logprobs > 20:
+                raise BadRequestError(f"top_logprobs: {body.top_logprobs} is outside 0..20")
+            if not body.logprobs:
+                raise BadRequestError("top_logprobs: needs logprobs true")
+            if body.top_logprobs:
+                raise BadRequestError(f"top_logprobs: {body.top_logprobs}; {alternatives}")
+        return bool(body.logprobs)
+    if body.logprobs is None:
+        return False
+    if isinstance(body.logprobs, bool) or not 0 <= body.logprobs <= 5:
+        raise BadRequestError(f"logprobs: {clip(repr(body.logprobs))}; expected 0..5")
+    if body.logprobs:
+        raise BadRequestError(f"logprobs: {body.logprobs}; {alternatives} (logprobs 0)")
+    return True
 
 
 def urgency_of(priority: int | None, objective: Urgency | None) -> Urgency:
@@ -184,6 +205,9 @@ def params_of(
         seed=body.seed or 0,
         end_id=-1 if body.ignore_eos else None,
         stop=stop,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        return_log_probs=log_probs_asked(body),
         urgency=urgency_of(body.priority, objective),
         tenant=tenant,
     )
@@ -200,15 +224,60 @@ def usage(final: Final) -> dict[str, int]:
     }
 
 
+class TokenTexts:
+    """Each generated token's text, in order: what it adds to the decoded text. A token that
+    only begins a character adds nothing; the token that completes it carries the character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self.offset = 0  # characters so far
+
+    def push(self, ids: Iterable[int]) -> list[tuple[str, int]]:
+        """(text, offset in the whole text) of each id."""
+        out = []
+        for token in ids:
+            piece = self._decoder.step(self._tokenizer, token) or ""
+            out.append((piece, self.offset))
+            self.offset += len(piece)
+        return out
+
+
 class Answer:
     """One request's OpenAI answer objects: whole, or chunk by chunk."""
 
-    def __init__(self, chat: bool, response_id: str, model: str) -> None:
+    def __init__(
+        self, chat: bool, response_id: str, model: str, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + response_id
         self.model = model
         self.created = int(time.time())
         self._first = True
+        self._tokenizer = tokenizer
+        self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
+
+    def _log_probs(
+        self, ids: tuple[int, ...], values: tuple[float, ...] | None
+    ) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (chat: `content`; completions: tokens,
+        token_logprobs, text_offset), or None where none were asked."""
+        if values is None or self._texts is None:
+            return None
+        texts = self._texts.push(ids)
+        if self.chat:
+            return {
+                "content": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                    for (t, _), v in zip(texts, values, strict=True)
+                ]
+            }
+        return {
+            "tokens": [t for t, _ in texts],
+            "token_logprobs": list(values),
+            "top_logprobs": None,
+            "text_offset": [o for _, o in texts],
+        }
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -221,12 +290,13 @@ class Answer:
 
     def whole(self, final: Final) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish.value}
+        log_probs = self._log_probs(final.token_ids, final.log_probs)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
-            choice["logprobs"] = None
+            choice["logprobs"] = log_probs
             kind = "chat.completion"
         else:
-            choice.update(text=final.text, logprobs=None)
+            choice.update(text=final.text, logprobs=log_probs)
             kind = "text_completion"
         answer = self._object(kind, [choice])
         answer["usage"] = usage(final)
@@ -236,14 +306,19 @@ class Answer:
         """The chunk for a delta, or the last chunk (finish_reason) for the final event."""
         finish = event.finish.value if isinstance(event, Final) else None
         text = event.text if isinstance(event, Delta) else ""
+        log_probs = None
+        if isinstance(event, Delta):
+            log_probs = self._log_probs(event.token_ids, event.log_probs)
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or not finish else {}
             if self._first:
                 delta["role"] = "assistant"
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            if log_probs is not None:
+                choice["logprobs"] = log_probs
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": log_probs, "finish_reason": finish}
             kind = "text_completion"
         self._first = False
         answer = self._object(kind, [choice])

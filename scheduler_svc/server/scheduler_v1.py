@@ -65,15 +65,19 @@ def to_params(request: pb.GenerateRequest, time_remaining_s: float | None) -> Ge
         stop=tuple(request.stop),
         urgency=_URGENCY[request.priority],
         tenant=request.tenant,
+        return_log_probs=request.return_log_probs,
         time_remaining_s=time_remaining_s,
     )
 
 
-def final_response(final: Final, text: str, token_ids: tuple[int, ...]) -> pb.GenerateResponse:
+def final_response(
+    final: Final, text: str, token_ids: tuple[int, ...], log_probs: tuple[float, ...] = ()
+) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=final.request_id,
         text=text,
         token_ids=token_ids,
+        log_probs=log_probs,
         finish_reason=_FINISH[final.finish],
         usage=pb.Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens
@@ -108,7 +112,7 @@ class SchedulerFront:
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Final):
-                    return final_response(event, event.text, event.token_ids)
+                    return final_response(event, event.text, event.token_ids, event.log_probs or ())
         raise InternalError("generation ended without a final answer")
 
     async def generate_stream(
@@ -121,7 +125,10 @@ class SchedulerFront:
                     yield final_response(event, "", ())
                 elif event.text or event.token_ids:
                     yield pb.GenerateResponse(
-                        request_id=params.request_id, text=event.text, token_ids=event.token_ids
+                        request_id=params.request_id,
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        log_probs=event.log_probs or (),
                     )
 
 

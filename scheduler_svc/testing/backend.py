@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
+from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput, Tokens
 
 
 @dataclass
@@ -77,17 +77,17 @@ class ScriptedBackend:
             return [[self.first_id + i] for i in range(row.max_tokens)]
         return [[self.first_id + i] for i in range(n)] + [[row.end_id]]
 
-    async def stream(self, request: GenerationInput) -> AsyncGenerator[list[int], None]:
-        async for _, ids in self._run(EngineCall(request.request_id, [request])):
-            yield ids
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
+        async for _, tokens in self._run(EngineCall(request.request_id, [request])):
+            yield tokens
 
     async def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
-    ) -> AsyncGenerator[tuple[int, list[int]], None]:
-        async for index, ids in self._run(EngineCall(request_id, list(rows))):
-            yield index, ids
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
+        async for index, tokens in self._run(EngineCall(request_id, list(rows))):
+            yield index, tokens
 
-    async def _run(self, call: EngineCall) -> AsyncGenerator[tuple[int, list[int]], None]:
+    async def _run(self, call: EngineCall) -> AsyncGenerator[tuple[int, Tokens], None]:
         self.calls.append(call)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
@@ -100,7 +100,12 @@ class ScriptedBackend:
             for step in range(max(len(a) for a in answers)):
                 for index, answer in enumerate(answers):
                     if step < len(answer):
-                        yield index, answer[step]
+                        ids = answer[step]
+                        # A scripted log probability per id, where the row asks: -1 / (its
+                        # position + 1), so a test can tell them apart and in order.
+                        probs = [-1.0 / (step + 1)] * len(ids)
+                        asked = call.rows[index].return_log_probs
+                        yield index, Tokens(ids, probs if asked else None)
                 await asyncio.sleep(0)  # one engine step: let the readers run
             call.finished = True
         finally:

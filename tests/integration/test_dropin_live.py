@@ -152,7 +152,7 @@ def test_the_full_ensemble_contract_answers_as_triton_does(
 ) -> None:
     """Stop and bad words, min_length and the penalties reach the engine through Triton's own
     ensemble and through the sidecar alike: the same text from both, and each input changes
-    the answer. What the engine cannot do (beams, log probs) both refuse, naming the input."""
+    the answer. What the engine cannot do (beams, logits) both refuse, naming the input."""
     prompt = "The weather today"
     tokenizer = load_tokenizer()
     request = pb.GenerateRequest(prompt=prompt, max_tokens=12)
@@ -199,7 +199,6 @@ def test_the_full_ensemble_contract_answers_as_triton_does(
     assert stopped.endswith(str(words[0, 0])) and free.startswith(stopped)
     refused = {
         "beam_width": np.array([[2]], dtype=np.int32),
-        "return_log_probs": np.array([[True]]),
         "return_generation_logits": np.array([[True]]),
     }
     for name, value in refused.items():
@@ -207,6 +206,45 @@ def test_the_full_ensemble_contract_answers_as_triton_does(
         _, ours = _text(sidecar.url, {**base, name: value})
         assert theirs is not None and name in theirs, theirs
         assert ours is not None and "[INVALID_ARGUMENT]" in ours and name in ours, ours
+
+
+def _log_probs(answer: object) -> tuple[list[float], list[float]]:
+    """Every response's output_log_probs end to end, and each response's cum_log_probs."""
+    outputs = [o for o in answer.outputs if "output_log_probs" in o]  # type: ignore[attr-defined]
+    values = [float(v) for o in outputs for v in o["output_log_probs"].reshape(-1)]
+    return values, [float(o["cum_log_probs"].reshape(-1)[0]) for o in outputs]
+
+
+def test_log_probs_come_through_the_sidecar_as_from_triton(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    """return_log_probs on the ensemble and on the engine model, streamed and whole: the
+    sidecar passes it to the engine and answers the engine's values in Triton's layout."""
+    asked = {"return_log_probs": np.array([[True]])}
+    for stream in (False, True):
+        tensors = {**text_request("The weather today", 6, stream=stream), **asked}
+        theirs, ours = (
+            infer(triton.grpc_url, "ensemble", tensors),
+            infer(sidecar.url, "ensemble", tensors),
+        )
+        assert theirs.error is None and ours.error is None, (theirs.error, ours.error)
+        (their_values, their_cums), (our_values, our_cums) = _log_probs(theirs), _log_probs(ours)
+        assert len(our_values) == 6 and our_values == pytest.approx(their_values, abs=1e-3)
+        assert our_cums[-1] == pytest.approx(sum(our_values), abs=1e-3)
+        assert our_cums[-1] == pytest.approx(their_cums[-1], abs=1e-3)
+    prompt = load_tokenizer().encode("The weather today", add_special_tokens=False).ids
+    tensors = engine_request(prompt, 5, streaming=True, end_id=np.array([[-1]], np.int32), **asked)
+    theirs, ours = (
+        infer(triton.grpc_url, "tensorrt_llm", tensors),
+        infer(sidecar.url, "tensorrt_llm", tensors),
+    )
+    assert ours.tokens() == theirs.tokens()
+    assert _log_probs(ours)[0] == pytest.approx(_log_probs(theirs)[0], abs=1e-3)
+    assert [o["output_log_probs"].shape for o in ours.outputs if "output_ids" in o] == [
+        (1, 1, len(o["output_ids"].reshape(-1))) for o in ours.outputs if "output_ids" in o
+    ]
+    plain = infer(sidecar.url, "ensemble", text_request("The weather today", 3))
+    assert plain.error is None and not _log_probs(plain)[0]
 
 
 def test_a_batched_request_is_answered_row_by_row_as_triton_does(

@@ -138,6 +138,68 @@ def test_triton_generate_and_generate_stream(sidecar: SidecarProcess) -> None:
     assert {i["name"] for i in meta["inputs"]} >= {"text_input", "max_tokens", "stream"}
 
 
+def test_log_probs_on_openai_and_generate_match_tritons(
+    sidecar: SidecarProcess, triton: TritonServer
+) -> None:
+    body = {"text_input": STORY, "max_tokens": 4, "return_log_probs": True}
+    theirs = httpx.post(f"{triton.http_url}/v2/models/ensemble/generate", json=body, timeout=60)
+    ours = httpx.post(f"{sidecar.http_url}/v2/models/ensemble/generate", json=body, timeout=60)
+    assert theirs.status_code == ours.status_code == 200, ours.text
+    mine, reference = ours.json(), theirs.json()
+    assert mine["text_output"] == reference["text_output"]
+    assert mine["output_log_probs"] == pytest.approx(reference["output_log_probs"], abs=1e-3)
+    assert mine["cum_log_probs"] == pytest.approx(reference["cum_log_probs"], abs=1e-3)
+    with httpx.stream(
+        "POST",
+        f"{sidecar.http_url}/v2/models/ensemble/generate_stream",
+        json={**body, "stream": True},
+        timeout=60,
+    ) as r:
+        streamed = [e for e in events(r) if e != "[DONE]"]
+    pieces = [
+        v
+        for e in streamed
+        for v in (
+            e["output_log_probs"]
+            if isinstance(e["output_log_probs"], list)
+            else [e["output_log_probs"]]
+        )
+    ]
+    assert pieces == pytest.approx(reference["output_log_probs"], abs=1e-3)
+    api = client(sidecar)
+    done = api.completions.create(
+        model="ensemble", prompt=STORY, max_tokens=4, temperature=0, logprobs=0
+    )
+    assert done.choices[0].logprobs is not None
+    assert done.choices[0].logprobs.token_logprobs == pytest.approx(
+        reference["output_log_probs"], abs=1e-3
+    )
+    chat = api.chat.completions.create(
+        model="ensemble",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    content = [
+        c
+        for chunk in chat
+        for choice in chunk.choices
+        if choice.logprobs
+        for c in choice.logprobs.content or ()
+    ]
+    assert len(content) == 3 and all(c.logprob <= 0 for c in content)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        api.chat.completions.create(
+            model="ensemble",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            logprobs=True,
+            top_logprobs=2,
+        )
+
+
 def test_a_client_that_disconnects_cancels_its_request_inside_triton(
     sidecar: SidecarProcess, triton: TritonServer
 ) -> None:

@@ -69,6 +69,17 @@ def test_generate_unary_and_stream_agree_with_the_engine(
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
     assert len(chunks) >= 12  # one message per generated token, then the final one
+    assert not whole.log_probs  # none unless asked
+    asked = pb.GenerateRequest(prompt=MIXED, max_tokens=12, return_log_probs=True)
+    scored = infer(
+        triton.grpc_url,
+        ENGINE,
+        engine_request(tokens(MIXED), 12, return_log_probs=np.array([[True]])),
+    ).outputs[0]["output_log_probs"]
+    answered = stub.Generate(asked)
+    assert list(answered.log_probs) == pytest.approx(scored.reshape(-1).tolist(), abs=1e-3)
+    streamed = [v for c in stub.GenerateStream(asked) for v in c.log_probs]
+    assert streamed == pytest.approx(list(answered.log_probs), abs=1e-3)
 
 
 def test_token_ids_in_and_stop_strings(sidecar: SidecarProcess) -> None:

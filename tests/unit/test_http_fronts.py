@@ -23,6 +23,7 @@ from scheduler_svc.errors import (
 from scheduler_svc.server import openai
 from scheduler_svc.server.http import _generate_inputs, _retry_headers, openai_error
 from scheduler_svc.service import Delta, Final, Finish
+from scheduler_svc.tokenizer import load_tokenizer
 
 PLAIN_CHAT = ChatTemplate(PLAIN, "plain")
 
@@ -54,7 +55,8 @@ def test_openai_defaults_sample_and_temperature_zero_is_greedy() -> None:
         ({"logprobs": 2}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logprobs": True}, "logprobs: 'True'; expected 0..5"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"prompt": ["a", "b"]}, "2 prompts"),
         ({"temperature": 3}, "temperature"),
@@ -68,6 +70,48 @@ def test_what_the_engine_cannot_honour_is_refused_naming_the_field(
 ) -> None:
     with pytest.raises(BadRequestError, match=needle):
         params(completion(**fields))
+
+
+def test_log_probs_and_penalties_go_to_the_engine() -> None:
+    p = params(completion(logprobs=0, presence_penalty=0.5, frequency_penalty=-1))
+    assert (p.return_log_probs, p.presence_penalty, p.frequency_penalty) == (True, 0.5, -1.0)
+    assert not params(completion()).return_log_probs
+
+    def chat(**fields: object) -> openai.ChatBody:
+        body: openai.ChatBody = openai.parse(
+            openai.ChatBody,
+            {"model": "ensemble", "messages": [{"role": "user", "content": "hi"}], **fields},
+        )
+        return body
+
+    assert params(chat(logprobs=True, top_logprobs=0)).return_log_probs
+    assert not params(chat(logprobs=False)).return_log_probs
+    for fields, needle in (
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs: 2; alternatives"),
+        ({"top_logprobs": 0}, "top_logprobs: needs logprobs true"),
+        ({"logprobs": 1}, "logprobs: expected true or false"),
+    ):
+        with pytest.raises(BadRequestError, match=needle):
+            params(chat(**fields))
+
+
+def test_log_prob_answers_have_openai_shapes() -> None:
+    tokenizer = load_tokenizer()
+    ids = tuple(tokenizer.encode(" hello world", add_special_tokens=False).ids)
+    probs = tuple(-0.5 * (i + 1) for i in range(len(ids)))
+    done = Final("r", " hello world", ids, Finish.LENGTH, 3, len(ids), 0, 0, 0, "hot", probs)
+    whole = openai.Answer(False, "abc", "ensemble", tokenizer).whole(done)["choices"][0]
+    assert "".join(whole["logprobs"]["tokens"]) == " hello world"
+    assert whole["logprobs"]["token_logprobs"] == list(probs)
+    assert whole["logprobs"]["text_offset"][0] == 0 and whole["logprobs"]["text_offset"][-1] > 0
+    chat = openai.Answer(True, "abc", "ensemble", tokenizer)
+    content = chat.whole(done)["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == list(probs)
+    assert bytes(b for c in content for b in c["bytes"]).decode() == " hello world"
+    streamed = openai.Answer(True, "abc", "ensemble", tokenizer)
+    chunk = streamed.chunk(Delta(" hello", ids[:1], probs[:1]), False)["choices"][0]
+    assert chunk["logprobs"]["content"][0]["logprob"] == probs[0]
+    assert "logprobs" not in chat.chunk(Delta("x", (1,)), False)["choices"][0]
 
 
 def test_model_priority_and_objective() -> None:

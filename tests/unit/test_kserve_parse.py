@@ -118,13 +118,15 @@ def test_the_full_ensemble_contract_parses_and_refuses_what_the_engine_cannot_do
         repetition_penalty=("FP32", np.array([[1.2]], dtype=np.float32)),
         length_penalty=("FP32", np.array([[0.5]], dtype=np.float32)),
         beam_width=int32(1),
+        return_log_probs=("BOOL", np.array([[True]])),
     )
     [params], _ = parse_infer_request(request, "ensemble", None)
     assert params.stop_words == ("\n\n", "User:") and params.bad_words == ("damn",)
     assert params.min_length == 3 and params.repetition_penalty == pytest.approx(1.2)
+    assert params.return_log_probs
     for name, value, needle in (
         ("beam_width", int32(4), "beam_width: 4; this engine decodes one beam"),
-        ("return_log_probs", ("BOOL", np.array([[True]])), "return_log_probs: log prob"),
+        ("return_context_logits", ("BOOL", np.array([[True]])), "return_context_logits: con"),
         ("exclude_input_in_output", ("BOOL", np.array([[False]])), "exclude_input_in_output"),
         ("stop_words", ("BYTES", np.array([["a"], ["b"]], dtype=np.object_)), "has 2 rows"),
     ):

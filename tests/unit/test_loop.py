@@ -49,8 +49,8 @@ async def read(ticket: Ticket) -> list[int]:
     decision = await ticket.decision
     assert isinstance(decision, Dispatch)
     out: list[int] = []
-    async for ids in ticket.channel.tokens():
-        out += ids
+    async for tokens in ticket.channel.tokens():
+        out += tokens.ids
     return out
 
 

@@ -152,3 +152,28 @@ def test_a_request_may_set_its_end_and_pad_ids_within_the_vocabulary() -> None:
                 await collect(service, GenerationParams("b", prompt="hi", **bad))  # type: ignore[arg-type]
 
     serve(backend, body)
+
+
+def test_log_probs_come_with_their_tokens_for_the_rows_that_ask() -> None:
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        asked, plain = await asyncio.gather(
+            collect(
+                service, GenerationParams("a", prompt="Hi", max_tokens=3, return_log_probs=True)
+            ),
+            collect(service, GenerationParams("b", prompt="Hi", max_tokens=3)),
+        )
+        deltas = [e for e in asked if isinstance(e, Delta) and e.token_ids]
+        assert all(e.log_probs is not None and len(e.log_probs) == len(e.token_ids) for e in deltas)
+        final = asked[-1]
+        assert isinstance(final, Final) and len(final.token_ids) == 3
+        # The scripted backend's log probabilities, in order: -1 / (position + 1).
+        assert final.log_probs == pytest.approx((-1.0, -0.5, -1 / 3))
+        last = plain[-1]
+        assert isinstance(last, Final) and last.log_probs is None
+        assert all(e.log_probs is None for e in plain if isinstance(e, Delta))
+        # Both rows went out in one engine request; only one asked.
+        assert [[r.return_log_probs for r in c.rows] for c in backend.calls] == [[True, False]]
+
+    serve(backend, body)
