@@ -167,21 +167,30 @@ def build_stop_request(model: str, request_id: str) -> service_pb2.ModelInferReq
     return request
 
 
-def _int32s(response: service_pb2.ModelInferResponse, name: str) -> list[int] | None:
-    """An INT32 output's values, None when absent; a malformed one (a length that is not a
-    multiple of 4, say) is BackendFailedError naming it, never a crash."""
+def _output(
+    response: service_pb2.ModelInferResponse, name: str, fp32: bool = False
+) -> list[Any] | None:
+    """An INT32 (or FP32) output's values, None when absent; a malformed one (a length that
+    is not a multiple of 4, say) is BackendFailedError naming it, never a crash."""
     for index, tensor in enumerate(response.outputs):
         if tensor.name != name:
             continue
         if index < len(response.raw_output_contents):
             raw = response.raw_output_contents[index]
             if len(raw) % 4:
+                kind = "FP32" if fp32 else "INT32"
                 raise BackendFailedError(
-                    f"Triton sent a malformed '{name}' output ({len(raw)} bytes of INT32)"
+                    f"Triton sent a malformed '{name}' output ({len(raw)} bytes of {kind})"
                 )
-            return [int(t) for t in np.frombuffer(raw, dtype="<i4")]
-        return [int(t) for t in tensor.contents.int_contents]
+            return list(np.frombuffer(raw, dtype="<f4" if fp32 else "<i4"))
+        contents = tensor.contents.fp32_contents if fp32 else tensor.contents.int_contents
+        return list(contents)
     return None
+
+
+def _int32s(response: service_pb2.ModelInferResponse, name: str) -> list[int] | None:
+    values = _output(response, name)
+    return None if values is None else [int(v) for v in values]
 
 
 def batch_index(response: service_pb2.ModelInferResponse) -> int:
@@ -202,26 +211,18 @@ def output_ids(response: service_pb2.ModelInferResponse) -> list[int]:
 def output_log_probs(response: service_pb2.ModelInferResponse, count: int) -> list[float]:
     """The log probabilities of a response's `count` ids (TensorRT-LLM's `output_log_probs`,
     FP32 [1, 1, n]); a missing or short one is BackendFailedError naming it."""
-    for index, tensor in enumerate(response.outputs):
-        if tensor.name != "output_log_probs":
-            continue
-        if index < len(response.raw_output_contents):
-            raw = response.raw_output_contents[index]
-            if len(raw) % 4:
-                raise BackendFailedError(
-                    f"Triton sent a malformed 'output_log_probs' output ({len(raw)} bytes of FP32)"
-                )
-            values = [float(v) for v in np.frombuffer(raw, dtype="<f4")]
-        else:
-            values = [float(v) for v in tensor.contents.fp32_contents]
-        if len(values) < count:
-            raise BackendFailedError(
-                f"Triton sent {len(values)} 'output_log_probs' values for {count} ids"
-            )
-        # The last `count` values are this response's ids' (an engine that repeats the
-        # earlier ones in a streamed response sends them first).
-        return values[len(values) - count :]
-    raise BackendFailedError("Triton sent no 'output_log_probs' output (return_log_probs asked)")
+    values = _output(response, "output_log_probs", fp32=True)
+    if values is None:
+        raise BackendFailedError(
+            "Triton sent no 'output_log_probs' output (return_log_probs asked)"
+        )
+    if len(values) < count:
+        raise BackendFailedError(
+            f"Triton sent {len(values)} 'output_log_probs' values for {count} ids"
+        )
+    # The last `count` values are this response's ids' (an engine that repeats the earlier
+    # ones in a streamed response sends them first).
+    return [float(v) for v in values[len(values) - count :]]
 
 
 def _int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:

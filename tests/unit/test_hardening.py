@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import threading
 from typing import Any
 
@@ -500,7 +501,11 @@ class _Handler:
 def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
     from tritonclient.grpc import service_pb2 as kv  # noqa: PLC0415
 
-    from scheduler_svc.backends.triton import batch_index, output_ids  # noqa: PLC0415
+    from scheduler_svc.backends.triton import (  # noqa: PLC0415
+        batch_index,
+        output_ids,
+        output_log_probs,
+    )
     from scheduler_svc.errors import BackendFailedError  # noqa: PLC0415
 
     response = kv.ModelInferResponse()
@@ -517,6 +522,17 @@ def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
     good.outputs.add(name="output_ids", datatype="INT32")
     good.raw_output_contents.append((7).to_bytes(4, "little") + (9).to_bytes(4, "little"))
     assert output_ids(good) == [7, 9] and batch_index(good) == 0
+    # Log probabilities: the last values for the response's ids; missing or short is a failure.
+    with pytest.raises(BackendFailedError, match="no 'output_log_probs'"):
+        output_log_probs(good, 2)
+    good.outputs.add(name="output_log_probs", datatype="FP32")
+    good.raw_output_contents.append(struct.pack("<3f", -0.5, -1.5, -2.5))
+    assert output_log_probs(good, 2) == [-1.5, -2.5]
+    with pytest.raises(BackendFailedError, match="3 'output_log_probs' values for 4 ids"):
+        output_log_probs(good, 4)
+    typed = kv.ModelInferResponse()
+    typed.outputs.add(name="output_log_probs", datatype="FP32").contents.fp32_contents.extend([-1])
+    assert output_log_probs(typed, 1) == [-1.0]
 
 
 def test_an_unexpected_failure_in_a_streamed_request_still_answers_it_with_its_id() -> None:
