@@ -269,7 +269,9 @@ def _kv(stats: SchedulerStats) -> Iterator[Metric]:
         return
     blocks = GaugeMetricFamily(
         "scheduler_svc_kv_blocks",
-        "The KV mirror: total, free, reserved by the sidecar's requests, used by others.",
+        "The KV mirror: total, free, reserved by the sidecar's requests, used by others; the "
+        "reserve new admissions leave free, and blocks owed to requests that outgrew their "
+        "prediction (admissions wait while any are).",
         labels=["state"],
     )
     for state, value in (
@@ -277,6 +279,8 @@ def _kv(stats: SchedulerStats) -> Iterator[Metric]:
         ("free", kv.free_blocks),
         ("reserved", kv.reserved_blocks),
         ("external", kv.external_blocks),
+        ("reserve", kv.reserve_blocks),
+        ("owed", kv.owed_blocks),
     ):
         blocks.add_metric([state], value)
     yield blocks

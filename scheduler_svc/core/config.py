@@ -143,6 +143,9 @@ class KvConfig:
     max_seq_len: int = 8192  # contiguous mode reserves this many tokens per request
     max_in_flight: int = 64  # sequences the backend runs at once (max_num_seqs)
     stale_after_s: float = 5.0  # an observation older than this no longer reconciles
+    # Paged mode: the share of the pool new admissions leave free while other requests hold
+    # blocks, for those that outgrow their predicted output before the mirror hears of it.
+    reserve_fraction: float = 0.05
 
     def validate(self) -> None:
         _check(1 <= self.tokens_per_block <= 1024, "kv.tokens_per_block", "must be in [1, 1024]")
@@ -150,6 +153,7 @@ class KvConfig:
         _check(1 <= self.max_seq_len <= 1 << 24, "kv.max_seq_len", "must be in [1, 2**24]")
         _check(1 <= self.max_in_flight <= 1_000_000, "kv.max_in_flight", "must be in [1, 1000000]")
         _check(0 < self.stale_after_s <= 3600, "kv.stale_after_s", "must be in (0, 3600]")
+        _check(0 <= self.reserve_fraction <= 0.5, "kv.reserve_fraction", "must be in [0, 0.5]")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,17 @@ Invariants (checked by tests/unit/test_kv.py's state machine):
   reported a pool smaller than what is already reserved, and then free == 0;
 - every count is >= 0; a request holds at most one reservation; releasing twice frees nothing;
 - growing a reservation never takes more than is free (the rest is a recorded shortfall).
+
+Admission (`room`): a new reservation takes at most the free blocks less the reserve
+(`reserve_fraction` of the pool, paged mode) while others hold blocks, and nothing while a
+reservation is owed blocks it outgrew into: the mirror then forecasts a pool that runs dry
+before the running requests end, and an engine that allocates as tokens come
+(`max_utilization`) would pause one of them. With nothing held, the whole pool.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.core.config import KvConfig, KvMode
@@ -57,6 +64,32 @@ class BlockMirror:
     @property
     def free_blocks(self) -> int:
         return max(0, self.total_blocks - self.used_blocks)
+
+    @property
+    def reserve_blocks(self) -> int:
+        """Blocks new admissions leave free while others are held (paged mode only)."""
+        if self.config.mode != KvMode.PAGED:
+            return 0
+        return math.ceil(self.config.reserve_fraction * self.total_blocks)
+
+    @property
+    def owed_blocks(self) -> int:
+        """Blocks reservations outgrew into but could not get (shortfalls not settled yet)."""
+        return sum(r.shortfall_blocks for r in self._held.values())
+
+    def admissible(self, needs: list[int]) -> int:
+        """How many of `needs` (blocks, in order) new reservations may take now: each within
+        the free blocks less the reserve while anything is held (already, or chosen before it
+        in `needs`), and none while blocks are owed."""
+        if self.owed_blocks:
+            return 0
+        free, held, taken = self.free_blocks, self.reserved_blocks > 0, 0
+        for count, need in enumerate(needs):
+            keep = self.reserve_blocks if held or count else 0
+            if taken + need + keep > free:
+                return count
+            taken += need
+        return len(needs)
 
     @property
     def overcommit_blocks(self) -> int:

@@ -486,20 +486,14 @@ class PolicyScheduler:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _fits(self, lane: str, bucket: Bucket, max_batch: int) -> list[Entry]:
-        """The members, in fair order, that the KV pool and the sequence limit can hold now
-        (at most `max_batch`: a bucket filled before the lane's max batch shrank goes in parts),
-        within the lane's cap on rows (`_rows_left`)."""
-        free = self.mirror.free_blocks
-        rows = self._rows_left(lane)
-        chosen: list[Entry] = []
-        for entry in sorted(bucket.members, key=lambda e: (e.tag, e.seq)):
-            need = self.mirror.need(entry.prompt_tokens, entry.predicted_output)
-            if need > free or rows == 0 or len(chosen) == max_batch:
-                break
-            free -= need
-            rows -= 1
-            chosen.append(entry)
-        return chosen
+        """The members, in fair order, that the KV pool admits now (`BlockMirror.admissible`:
+        within the free blocks less the reserve, and none while blocks are owed) and the
+        sequence limit can hold (at most `max_batch`: a bucket filled before the lane's max batch
+        shrank goes in parts), within the lane's cap on rows (`_rows_left`)."""
+        limit = min(self._rows_left(lane), max_batch)
+        order = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[: max(0, limit)]
+        needs = [self.mirror.need(e.prompt_tokens, e.predicted_output) for e in order]
+        return order[: self.mirror.admissible(needs)]
 
     @property
     def _rows_in_flight(self) -> int:
@@ -803,6 +797,8 @@ class PolicyScheduler:
                 mirror.tokens_per_block,
                 mirror.fragmentation(),
                 mirror.is_stale(self._now),
+                mirror.reserve_blocks,
+                mirror.owed_blocks,
             ),
             breaker_open=self.breaker.is_open,
             counters=tuple(sorted(self.counters.items())),

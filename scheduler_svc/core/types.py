@@ -158,6 +158,8 @@ class KvStats:
     tokens_per_block: int
     fragmentation: float
     stale: bool
+    reserve_blocks: int = 0  # what new admissions leave free while others hold blocks
+    owed_blocks: int = 0  # outgrown into but not yet free: admissions wait while > 0
 
 
 @dataclass(frozen=True)

@@ -444,6 +444,43 @@ def test_a_request_past_its_prediction_gets_more_blocks_and_is_counted() -> None
     assert dict(policy.stats().counters)["mispredicted"] == 1
 
 
+def test_admission_keeps_the_reserve_free_and_waits_while_blocks_are_owed() -> None:
+    # 200 blocks of 16 tokens, 5 % (10 blocks) kept back while anything is held.
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=200, tokens_per_block=16)))
+    assert policy.mirror.reserve_blocks == 10
+    # A lone request may take the whole pool: 200 blocks of prompt + max_tokens.
+    policy.submit(req("alone", 3000, max_tokens=200), 0.0)
+    assert dispatched(policy.schedule(1.0)) == ["alone"]
+    policy.on_done("alone", 1.1, 200)
+    # Teach the predictor: warm requests use a quarter of max_tokens.
+    teach = [f"t{i}" for i in range(16)]
+    for rid in teach:
+        policy.submit(req(rid, 300, max_tokens=64), 2.0)
+    now = 2.0
+    while any(rid in policy.queued_ids() or rid in policy.in_flight_ids() for rid in teach):
+        now += 0.1
+        for rid in dispatched(policy.schedule(now)):
+            policy.on_done(rid, now, 16)
+    # Four warm requests of 50 blocks each (700 + a predicted 100 of 400): the fourth would
+    # leave 0 < 10 blocks free, so it waits.
+    for rid in "abcd":
+        policy.submit(req(rid, 700, max_tokens=400), now)
+    now += 1.0
+    assert sorted(dispatched(policy.schedule(now))) == ["a", "b", "c"]
+    assert policy.stats().kv.free_blocks == 50 and "d" in policy.queued_ids()
+    # Each outruns its prediction and grows to prompt + max_tokens (69 blocks): the third finds
+    # too few free, so blocks are owed, and even a one-block request waits.
+    for rid in "abc":
+        policy.on_progress(rid, 200, now)
+    assert policy.stats().kv.owed_blocks == 7
+    policy.submit(req("small", 10, max_tokens=4), now)
+    assert dispatched(policy.schedule(now + 0.1)) == []
+    # One ends: what it frees repays the debt first, then admission resumes.
+    policy.on_done("a", now + 0.2, 200)
+    assert sorted(dispatched(policy.schedule(now + 0.3))) == ["d", "small"]
+    assert policy.stats().kv.owed_blocks == 0
+
+
 def test_aging_promotes_a_blocked_request_and_keeps_freed_room_for_it() -> None:
     lanes = tuple(
         replace(lane, max_wait_s=0.3) if lane.name == "cold" else lane for lane in default_lanes()
@@ -577,6 +614,8 @@ class PolicyMachine(RuleBasedStateMachine):
         self.now += dt
         released = False
         dispatches = []
+        mirror = self.policy.mirror
+        held_before = mirror.reserved_blocks > 0
         for decision in self.policy.schedule(self.now):
             rid = decision.request_id
             assert rid in self.admitted and rid not in self.ends and rid not in self.in_flight
@@ -594,6 +633,12 @@ class PolicyMachine(RuleBasedStateMachine):
             self.batch_of[rid] = decision.batch.batch_id
             dispatches.append(decision)
             released = True
+        if any(d.target is Target.PRIMARY for d in dispatches):
+            # Predicted-output admission: new work joins the engine only while no running
+            # request is owed blocks it outgrew into, and leaves the reserve free for them
+            # (unless the pool held nothing: a lone request may use it all).
+            assert mirror.owed_blocks == 0
+            assert not held_before or mirror.free_blocks >= mirror.reserve_blocks
         for lane in {d.lane for d in dispatches}:
             # A capped lane takes rows only up to its cap while another lane is active (it was
             # active all through the tick: schedule() adds no work).
@@ -634,14 +679,14 @@ class PolicyMachine(RuleBasedStateMachine):
         # Nobody waits past its lane's bound + batch timeout while what it needs is free, unless
         # an older overdue request is blocked: the core then keeps freed room for that one
         # (draining for it is what stops a large request from starving).
-        free = self.policy.mirror.free_blocks
+        mirror = self.policy.mirror
         limit = self.config.max_batches_in_flight
         slot = limit is None or self.policy.stats().batches_in_flight < limit
 
         def fits(entry: Entry) -> bool:
-            need = self.policy.mirror.need(entry.prompt_tokens, entry.predicted_output)
+            need = mirror.need(entry.prompt_tokens, entry.predicted_output)
             lane = next(n for n, q in self.policy.lanes.items() if entry.request_id in q.entries)
-            return need <= free and self.rows_left(lane) > 0 and slot
+            return mirror.admissible([need]) == 1 and self.rows_left(lane) > 0 and slot
 
         overdue = []
         for rid, lane_name in self.policy.queued_ids().items():
