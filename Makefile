@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-engine bench-sidecar bench-http bench-core simulate sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core simulate sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -67,6 +67,10 @@ bench: $(GEN)
 
 bench-quick: $(GEN)
 	$(BIN)/scheduler-svc bench --quick
+
+# QPS at the P99 SLO under KV pressure (issue 15): guaranteed_no_evict and max_utilization.
+bench-kv: $(GEN)
+	$(BIN)/scheduler-svc bench --plan kv
 
 # Engine timing (a benchmark, never a test): writes figures for model_repo/README.md.
 bench-engine: $(GEN)

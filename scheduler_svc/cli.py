@@ -461,10 +461,11 @@ def _add_tool_commands(commands: Any) -> None:
     )
     bench.add_argument(
         "--plan",
-        choices=("full", "slo"),
+        choices=("full", "slo", "kv"),
         default="full",
         help="full: every mix, load and QPS-at-SLO search; slo: QPS at the P99 SLO on the "
-        "static engine with longer trials",
+        "static engine with longer trials; kv: QPS at the P99 SLO under KV pressure (a "
+        "generous max_tokens, guaranteed_no_evict and max_utilization)",
     )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", help="results folder (default: results/bench/<plan>-<time>)")

@@ -49,9 +49,21 @@ from scheduler_svc.triton.launcher import TritonServer
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ENGINE = ROOT / "model_repo" / "cpu" / "tensorrt_llm"
 # Each strategy's engine parameters over the CPU repository's.
+# The KV-pressure engines (the `kv` plan): 2,560 KV tokens (160 blocks), so that reserving
+# prompt + max_tokens (128 + 512 tokens, 40 blocks) runs 4 of the 16 sequences; outputs end by
+# the synthetic end-of-sequence model (mean 40 tokens), as a trained model's do.
+KV_PRESSURE = {
+    "gpt_model_type": "inflight_fused_batching",
+    "max_tokens_in_paged_kv_cache": "2560",
+    "eos_model": "lognormal",
+    "eos_mean_tokens": "40",
+    "eos_sigma": "0.8",
+}
 ENGINES: dict[str, dict[str, str]] = {
     "inflight": {"gpt_model_type": "inflight_fused_batching"},
     "static": STATIC_ENGINE,
+    "kv_noevict": {**KV_PRESSURE, "batch_scheduler_policy": "guaranteed_no_evict"},
+    "kv_maxutil": {**KV_PRESSURE, "batch_scheduler_policy": "max_utilization"},
 }
 MAX_SEQUENCES = 16  # the shipped engine's max_num_sequences: the FIFO's in-flight cap too
 END_ID, PAD_ID = 1, 2  # the sidecar's defaults, used for direct calls as well
@@ -261,8 +273,15 @@ def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
     }
 
 
+def paused_total(metrics_url: str, model: str) -> float:
+    """Sequences the CPU engine has paused so far (to free KV blocks, recomputed later)."""
+    samples = scrape(metrics_url)
+    return engine_value(samples, "scheduler_svc_engine_paused_requests_total", model)
+
+
 class EngineSampler:
-    """Samples the engine's occupancy and KV fragmentation while a run goes on."""
+    """Samples the engine's occupancy, KV use and fragmentation while a run goes on, and counts
+    the sequences it paused."""
 
     def __init__(self, metrics_url: str, model: str) -> None:
         self.metrics_url, self.model = metrics_url, model
@@ -272,6 +291,7 @@ class EngineSampler:
 
     def __enter__(self) -> EngineSampler:
         self._start = token_counts(self.metrics_url, self.model)
+        self._paused = paused_total(self.metrics_url, self.model)
         self._thread.start()
         return self
 
@@ -284,6 +304,7 @@ class EngineSampler:
         self.delta.useful_tokens = moved["context", "useful"]
         self.delta.generation_processed = moved["generation", "processed"]
         self.delta.generation_useful = moved["generation", "useful"]
+        self.delta.paused = paused_total(self.metrics_url, self.model) - self._paused
 
     def _run(self) -> None:
         kv, req = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metrics"
@@ -295,7 +316,10 @@ class EngineSampler:
             used = engine_value(s, kv, m, kv_cache_block_type="used")
             per = engine_value(s, kv, m, kv_cache_block_type="tokens_per")
             cached = engine_value(s, "scheduler_svc_engine_kv_cached_tokens", m)
+            total = engine_value(s, kv, m, kv_cache_block_type="max")
             self.delta.occupancy.append(active / most)
+            if total > 0:
+                self.delta.kv_used.append(used / total)
             if used > 0 and per > 0:
                 self.delta.fragmentation.append(max(0.0, 1 - cached / (used * per)))
 
@@ -317,13 +341,17 @@ class BenchRequest:
         return lane_of(len(self.prompt))
 
 
-def materialize(requests: list[SimRequest], prompts: Prompts, tag: str) -> list[BenchRequest]:
+def materialize(
+    requests: list[SimRequest], prompts: Prompts, tag: str, generous: bool = False
+) -> list[BenchRequest]:
+    """Bench requests with real prompts; `max_tokens` is each request's drawn output length,
+    or (`generous`, for an engine that ends outputs itself) its class's max_tokens."""
     return [
         BenchRequest(
             f"{tag}-{r.request_id}",
             r.arrival_s,
             prompts.ids(r.prompt_tokens, offset=i * 7919),
-            r.output_tokens,
+            r.max_tokens if generous else r.output_tokens,
             r.urgency,
             r.tenant,
         )
@@ -471,6 +499,23 @@ async def closed_loop(
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return finished
+
+
+async def each_once(
+    client: Client, requests: list[BenchRequest], concurrency: int, deadline_s: float
+) -> int:
+    """Send every request once, `concurrency` at a time; return how many were served."""
+    pending = list(reversed(requests))
+    served = 0
+
+    async def worker() -> None:
+        nonlocal served
+        while pending:
+            if (await client.send(pending.pop(), deadline_s)).state == "ok":
+                served += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return served
 
 
 async def unloaded_ttft(

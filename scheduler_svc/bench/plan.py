@@ -79,8 +79,19 @@ MIXES: dict[str, Scenario] = {
             1.0,
             (RequestClass(1.0, 180, 64, 512, 24, 48, 1, spread=0.7),),
         ),
+        Scenario(
+            "kv_pressure",
+            "chat with a generous max_tokens (512); the engine ends outputs itself",
+            1.0,
+            1.0,
+            (RequestClass(1.0, 128, 16, 255, 512, 512, 0),),
+        ),
     )
 }
+# Mixes sent with their generous max_tokens to an engine whose synthetic end-of-sequence model
+# ends each output (mean 40 tokens): the others are cut to their drawn output length, since the
+# random-weights engine never stops by itself.
+ENDS_ITSELF = frozenset({"kv_pressure"})
 # The burst is offered at this multiple of the chat mix's capacity.
 BURST_LOAD = 10.0
 
@@ -115,6 +126,11 @@ class Plan:
     slo_matrix: tuple[tuple[str, str], ...] = ()
     # (engine, mix) steps where the policy with make run's timers runs too.
     defaults_at: tuple[tuple[str, str], ...] = ()
+    # Who the QPS-at-SLO search runs (the matrix adds its settings where it applies).
+    slo_target_set: tuple[str, ...] = TARGETS
+    # Requests each target serves, closed loop, before its search: what a deployed sidecar has
+    # learned (output lengths) by the time it is measured. Not counted in any figure.
+    warmup_requests: int = 0
 
     def targets(self, step: Step) -> tuple[str, ...]:
         """Who runs a step."""
@@ -135,7 +151,7 @@ class Plan:
 
     def slo_targets(self, engine: str, mix: str) -> tuple[str, ...]:
         """Who the QPS-at-SLO search runs at a point."""
-        return TARGETS + (MATRIX_TARGETS if (engine, mix) in self.slo_matrix else ())
+        return self.slo_target_set + (MATRIX_TARGETS if (engine, mix) in self.slo_matrix else ())
 
 
 def _grid(engine: str, mixes: Iterable[str], loads: Iterable[float]) -> list[Step]:
@@ -192,7 +208,26 @@ SLO = Plan(
     slo_window_s=15.0,
     slo_matrix=(("static", "spread_8to1"),),
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO)}
+# Generous max_tokens under KV pressure (issue 15): the engine's KV sized so that
+# guaranteed_no_evict (prompt + max_tokens reserved) runs 4 sequences where max_num_sequences
+# is 16; Triton alone and the policy sidecar on it and on max_utilization.
+KV = Plan(
+    "kv",
+    ("kv_noevict", "kv_maxutil"),
+    (),
+    duration_s=12.0,
+    burst_s=2.0,
+    calibrate_s=10.0,
+    deadline_s=30.0,
+    overhead_rounds=0,
+    slo_points=(("kv_noevict", "kv_pressure"), ("kv_maxutil", "kv_pressure")),
+    slo_range=(0.25, 2.0),
+    slo_iterations=3,
+    slo_window_s=15.0,
+    slo_target_set=("triton", "policy"),
+    warmup_requests=48,
+)
+PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV)}
 
 
 def lane_of(prompt_tokens: int) -> str:
@@ -270,6 +305,8 @@ class EngineDelta:
     # The same for generation steps: a static batch keeps finished rows' slots busy.
     generation_processed: float = 0.0
     generation_useful: float = 0.0
+    paused: float = 0.0  # sequences the engine paused (freed, to recompute later) to free KV
+    kv_used: list[float] = field(default_factory=list)  # used / total KV blocks, sampled
 
     def padding(self) -> float | None:
         return _waste(self.processed_tokens, self.useful_tokens)
@@ -332,6 +369,11 @@ def summarize(
         "generation_waste": engine.generation_waste(),
         "slot_occupancy": _mean(engine.occupancy),
         "kv_fragmentation": _mean(engine.fragmentation),
+        "kv_utilization": _mean(engine.kv_used),
+        "engine_pauses": engine.paused,
+        # Pauses per request sent: at most the share of requests paused (one may be paused
+        # more than once).
+        "pauses_per_request": round(engine.paused / len(outcomes), 4) if outcomes else None,
         "send_lag_p99_ms": to_ms(percentile(lags, 99)),
     }
 

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.bench.plan import LANES, TARGET_NAMES, TARGETS, ratio
+from scheduler_svc.bench.plan import ENDS_ITSELF, LANES, TARGET_NAMES, TARGETS, ratio
+
+KV_ENGINE_NAMES = {
+    "kv_noevict": "guaranteed_no_evict",
+    "kv_maxutil": "max_utilization",
+}
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -217,6 +222,55 @@ def slo_matrix(results: dict[str, Any], engine: str, mix: str) -> list[str]:
     return _table(header, rows)
 
 
+def kv_pressure(results: dict[str, Any]) -> list[str]:
+    """Issue 15's table: QPS at the P99 SLO under KV pressure, against Triton alone on
+    guaranteed_no_evict and on the same engine, with what the engine did at that rate."""
+    searched = {
+        (engine, row["target"]): row
+        for (engine, mix), by_target in _searched(results).items()
+        if mix in ENDS_ITSELF
+        for row in by_target.values()
+    }
+    if not searched:
+        return []
+    base = searched.get(("kv_noevict", "triton"), {}).get("qps_at_slo")
+    rows = []
+    for (engine, target), row in searched.items():
+        same = searched.get((engine, "triton"), {}).get("qps_at_slo")
+        at = row.get("at_slo") or {}
+        rows.append(
+            [
+                KV_ENGINE_NAMES.get(engine, engine),
+                TARGET_NAMES[target],
+                _fmt(row["qps_at_slo"], "/s"),
+                _fmt(ratio(row["qps_at_slo"], base), "×"),
+                _fmt(ratio(row["qps_at_slo"], same), "×"),
+                _fmt(at.get("goodput_rps"), "/s"),
+                _fmt(at.get("engine_pauses")),
+                _pct(at.get("pauses_per_request")),
+                _pct(at.get("kv_utilization")),
+                _pct(at.get("slot_occupancy")),
+                _fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
+                str(len(row["trials"])),
+            ]
+        )
+    header = [
+        "engine",
+        "target",
+        "QPS at SLO",
+        "÷ Triton alone, no_evict",
+        "÷ Triton alone, same engine",
+        "goodput there",
+        "engine pauses there",
+        "pauses per request",
+        "KV blocks in use",
+        "slot occupancy",
+        "P99 TTFT",
+        "trials",
+    ]
+    return _table(header, rows)
+
+
 def top_load(results: dict[str, Any], engine: str, mix: str) -> float:
     return max(load for e, m, load in steps(results) if e == engine and m == mix)
 
@@ -245,6 +299,9 @@ def markdown(results: dict[str, Any]) -> str:
         load = top_load(results, engine, mix)
         lines += [f"## {mix}, {engine} engine, {load:g}× capacity", ""]
         lines += [*headline(results, engine, mix, load), ""]
+    kv = kv_pressure(results)
+    if kv:
+        lines += ["## KV pressure: QPS at the P99 SLO with a generous max_tokens", "", *kv, ""]
     if results.get("slo_search"):
         lines += ["## QPS at the P99 SLO", "", *qps_at_slo(results), ""]
         for engine, mix in _searched(results):

@@ -29,6 +29,7 @@ from scheduler_svc.bench.live import (
     Stack,
     TritonClient,
     closed_loop,
+    each_once,
     engine_model,
     engine_value,
     materialize,
@@ -111,7 +112,8 @@ async def _calibrate(
         capacity: dict[str, float] = {}
         for mix in plan.mixes(strategy):
             sim = P.schedule(mix, 20.0, 20.0, seed)
-            requests = materialize(sim, prompts, f"cal-{strategy}-{mix}")
+            generous = mix in P.ENDS_ITSELF
+            requests = materialize(sim, prompts, f"cal-{strategy}-{mix}", generous)
             rates = []
             for concurrency in CALIBRATION_CONCURRENCY:
                 finished = await closed_loop(
@@ -218,7 +220,9 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             cal = await _calibrate(st, strategy, plan, prompts, seed)
             results["calibration"][strategy] = cal
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
-            targets = ["fifo", "policy"]
+            # The sidecars this engine's steps and searches need.
+            wanted = set(P.TARGETS if plan.steps else plan.slo_target_set)
+            targets: list[str] = [t for t in ("fifo", "policy") if t in wanted]
             if any(engine == strategy for engine, _ in plan.slo_matrix):
                 targets += P.MATRIX_TARGETS
             if any(engine == strategy for engine, _ in plan.defaults_at):
@@ -235,7 +239,7 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             rate = cal["capacity_rps"][base] * step.load
             window = plan.burst_s if step.mix == "burst" else plan.duration_s
             sim: list[SimRequest] = P.schedule(step.mix, rate, window, seed + index)
-            requests = materialize(sim, prompts, f"s{index}")
+            requests = materialize(sim, prompts, f"s{index}", step.mix in P.ENDS_ITSELF)
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
             who = plan.targets(step)
             turn = index % len(who)
@@ -287,13 +291,15 @@ async def _slo_search(
         slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
         lo, hi = plan.slo_range
         for target in plan.slo_targets(engine, mix):
+            warmed = await _warm_up(st, plan, engine, mix, target, prompts, seed, progress)
             search = RateSearch(lo * capacity, hi * capacity, plan.slo_iterations)
             trials: list[dict[str, Any]] = []
             while (rate := search.next_rate()) is not None:
                 label = f"QPS at SLO: {engine} {mix} {P.TARGET_NAMES[target]} at {rate:.2f}/s"
                 progress.show(label)
                 sim = P.schedule(mix, rate, plan.slo_window_s, seed + round(rate * 1000))
-                requests = materialize(sim, prompts, f"slo-{len(out)}-{len(trials)}")
+                generous = mix in P.ENDS_ITSELF
+                requests = materialize(sim, prompts, f"slo-{len(out)}-{len(trials)}", generous)
                 step = P.Step(engine, mix, rate / capacity)
                 _, summary = await _measured_run(
                     st, step, target, requests, plan, plan.slo_window_s, slo
@@ -312,13 +318,41 @@ async def _slo_search(
                     "qps_at_slo": round(search.rate, 3),
                     "at_slo": best[0]["summary"] if best else None,
                     "trials": trials,
+                    "warmed_up_with": warmed,
                 }
             )
     return out
 
 
+async def _warm_up(
+    st: Stack,
+    plan: P.Plan,
+    engine: str,
+    mix: str,
+    target: str,
+    prompts: Prompts,
+    seed: int,
+    progress: Progress,
+) -> int:
+    """Serve the plan's warm-up requests through `target`, 8 at a time, before its search (a
+    sidecar learns its output lengths as a deployed one has); return how many were served."""
+    if not plan.warmup_requests:
+        return 0
+    progress.show(f"warming up {P.TARGET_NAMES[target]} on {engine}")
+    sim = P.schedule(mix, 10.0, plan.warmup_requests / 10.0, seed + 7)[: plan.warmup_requests]
+    requests = materialize(sim, prompts, f"warm-{engine}-{target}", mix in P.ENDS_ITSELF)
+    client = _client(st, engine, target)
+    try:
+        served = await each_once(client, requests, 8, plan.deadline_s)
+    finally:
+        await client.close()
+    _wait_idle(st.triton.metrics_url, engine_model(engine))
+    progress.advance(f"warmed up {P.TARGET_NAMES[target]} on {engine}")
+    return served
+
+
 def total_steps(plan: P.Plan) -> int:
-    trials = 1 + plan.slo_iterations
+    trials = 1 + plan.slo_iterations + (1 if plan.warmup_requests else 0)
     searches = sum(len(plan.slo_targets(*point)) for point in plan.slo_points)
     overhead = 1 if plan.overhead_rounds else 0
     runs = sum(len(plan.targets(step)) for step in plan.steps)

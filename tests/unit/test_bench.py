@@ -264,3 +264,55 @@ def test_a_run_whose_client_fell_behind_is_run_again_and_says_so(
     summary = asyncio.run(measured())
     assert len(calls) == bp.MAX_RERUNS + 1 and summary["reruns"] == bp.MAX_RERUNS
     assert summary["send_lag_p99_ms"] == 1000.0
+
+
+def test_kv_pressure_runs_count_pauses_and_kv_in_use() -> None:
+    slo = {"hot": 0.25, "warm": 0.5, "cold": 1.0}
+    outcomes = [Outcome("hot", 100, "ok", ttft_s=0.05, e2e_s=1.0, tokens=40) for _ in range(4)]
+    delta = EngineDelta(100.0, 100.0, [0.5], [], paused=2.0, kv_used=[0.25, 0.75])
+    s = bp.summarize(outcomes, 2.0, slo, delta)
+    assert (s["engine_pauses"], s["pauses_per_request"], s["kv_utilization"]) == (2.0, 0.5, 0.5)
+
+
+def test_the_kv_plan_searches_triton_and_the_policy_on_both_kv_policies() -> None:
+    plan = bp.KV
+    assert plan.engines == ("kv_noevict", "kv_maxutil")
+    assert [plan.slo_targets(e, m) for e, m in plan.slo_points] == [("triton", "policy")] * 2
+    assert all(plan.mixes(e) == ["kv_pressure"] for e in plan.engines)
+    assert "kv_pressure" in bp.ENDS_ITSELF and plan.warmup_requests > 0
+    # Generous max_tokens go out as they are; other mixes are cut to their drawn output.
+    sim = bp.schedule("kv_pressure", 5.0, 4.0, 0)
+    prompts = live.Prompts()
+    assert {r.max_tokens for r in live.materialize(sim, prompts, "t", generous=True)} == {512}
+    assert [r.max_tokens for r in live.materialize(sim, prompts, "t")] == [
+        s.output_tokens for s in sim
+    ]
+
+
+def test_the_kv_table_compares_with_triton_alone_on_no_evict_and_on_the_same_engine() -> None:
+    def row(engine: str, target: str, qps: float, pauses: float) -> dict[str, Any]:
+        outcomes = [Outcome("hot", 100, "ok", ttft_s=0.1, e2e_s=1.0, tokens=40)] * 10
+        delta = EngineDelta(1.0, 1.0, [0.5], [], paused=pauses, kv_used=[0.9])
+        at = bp.summarize(outcomes, 1.0, {"hot": 0.25, "warm": 1, "cold": 1}, delta)
+        return {
+            "engine": engine,
+            "mix": "kv_pressure",
+            "target": target,
+            "qps_at_slo": qps,
+            "at_slo": at,
+            "trials": [{}] * 4,
+        }
+
+    results = {
+        "slo_search": [
+            row("kv_noevict", "triton", 1.0, 0.0),
+            row("kv_noevict", "policy", 1.1, 0.0),
+            row("kv_maxutil", "triton", 2.0, 3.0),
+            row("kv_maxutil", "policy", 3.0, 0.0),
+        ]
+    }
+    lines = report.kv_pressure(results)
+    best = next(line for line in lines if line.startswith("| max_utilization | sidecar policy"))
+    assert "| 3/s | 3× | 1.5× |" in best
+    paused = next(line for line in lines if line.startswith("| max_utilization | Triton alone"))
+    assert "| 3 | 30.0% |" in paused
