@@ -421,7 +421,9 @@ class SidecarConfig(_Frozen):
         lane shares bound its unprefilled prompt tokens within two steps' budget (max_num_tokens,
         where it says). A static engine refuses a request with more rows than it runs
         (max_num_sequences) or than a request may carry (max_batch_size), so its rows in
-        flight are capped there; an in-flight engine merely queues what it cannot run yet."""
+        flight are capped there; an in-flight engine merely queues what it cannot run yet.
+        On an in-flight engine the KV mirror reserves as the engine allocates
+        (`kv.reserve_max_tokens` under guaranteed_no_evict)."""
         static = engine.batching is Batching.STATIC
         changes: dict[str, Any] = {}
         if "continuous_batching" not in self.policy:
@@ -436,6 +438,15 @@ class SidecarConfig(_Frozen):
             rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)
             if rows != base.kv.max_in_flight:
                 changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
+        pinned = self.policy.get("kv")
+        if not static and not (isinstance(pinned, Mapping) and "reserve_max_tokens" in pinned):
+            # The mirror reserves as the engine allocates: prompt + max_tokens under
+            # guaranteed_no_evict, the predicted output under max_utilization.
+            kv = changes.get("kv", base.kv)
+            if kv.reserve_max_tokens != engine.reserves_max_tokens:
+                changes["kv"] = dataclasses.replace(
+                    kv, reserve_max_tokens=engine.reserves_max_tokens
+                )
         return dataclasses.replace(base, **changes) if changes else base
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:

@@ -32,6 +32,9 @@ class EngineProfile:
     max_num_tokens: int | None = None  # tokens one engine step takes, where it says
     kv_total_blocks: int | None = None  # the paged KV pool, where it can be read
     kv_free_blocks: int | None = None
+    # Whether the engine reserves prompt + max_tokens when it admits a sequence (TensorRT-LLM's
+    # guaranteed_no_evict, its default) rather than allocating as tokens come (max_utilization).
+    reserves_max_tokens: bool = True
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,9 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
     instances = sum(group.count or 1 for group in config.instance_group) or 1
     paged_tokens = _int_parameter(config, "max_tokens_in_paged_kv_cache")
     per_block = _int_parameter(config, "tokens_per_block")
+    policy = config.parameters.get("batch_scheduler_policy")
+    # TensorRT-LLM's default is guaranteed_no_evict; an unfilled template value reads as it.
+    allocates_as_it_goes = policy is not None and policy.string_value == "max_utilization"
     return EngineProfile(
         batching=batching,
         max_batch_size=max(1, config.max_batch_size),
@@ -252,6 +255,7 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         max_num_sequences=_int_parameter(config, "max_num_sequences"),
         max_num_tokens=_int_parameter(config, "max_num_tokens"),
         kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
+        reserves_max_tokens=not allocates_as_it_goes,
     )
 
 

@@ -223,7 +223,7 @@ KV = Plan(
     slo_points=(("kv_noevict", "kv_pressure"), ("kv_maxutil", "kv_pressure")),
     slo_range=(0.25, 2.0),
     slo_iterations=3,
-    slo_window_s=15.0,
+    slo_window_s=20.0,
     slo_target_set=("triton", "policy"),
     warmup_requests=48,
 )
@@ -342,6 +342,11 @@ def summarize(
         served = [o for o in mine if o.state == "ok"]
         ttft = [o.ttft_s for o in served if o.ttft_s is not None]
         e2e = [o.e2e_s for o in served if o.e2e_s is not None]
+        tpot = [
+            (o.e2e_s - o.ttft_s) / (o.tokens - 1)
+            for o in served
+            if o.e2e_s is not None and o.ttft_s is not None and o.tokens > 1
+        ]
         lanes[lane] = {
             "requests": len(mine),
             "ok": len(served),
@@ -350,6 +355,9 @@ def summarize(
             "ttft_p99_ms": to_ms(percentile(ttft, 99)),
             "e2e_p50_ms": to_ms(percentile(e2e, 50)),
             "e2e_p99_ms": to_ms(percentile(e2e, 99)),
+            # Time per output token after the first: what pausing and recomputing stretches.
+            "tpot_p50_ms": to_ms(percentile(tpot, 50)),
+            "tpot_p99_ms": to_ms(percentile(tpot, 99)),
         }
     lags = [o.send_lag_s for o in outcomes]
     good = sum(within_slo(o, slo) for o in outcomes)

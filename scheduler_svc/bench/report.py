@@ -251,6 +251,7 @@ def kv_pressure(results: dict[str, Any]) -> list[str]:
                 _pct(at.get("kv_utilization")),
                 _pct(at.get("slot_occupancy")),
                 _fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
+                _fmt(_worst_lane(at, "tpot_p99_ms") if at else None, " ms"),
                 str(len(row["trials"])),
             ]
         )
@@ -266,6 +267,7 @@ def kv_pressure(results: dict[str, Any]) -> list[str]:
         "KV blocks in use",
         "slot occupancy",
         "P99 TTFT",
+        "P99 time per output token",
         "trials",
     ]
     return _table(header, rows)

@@ -334,8 +334,9 @@ async def _warm_up(
     seed: int,
     progress: Progress,
 ) -> int:
-    """Serve the plan's warm-up requests through `target`, 8 at a time, before its search (a
-    sidecar learns its output lengths as a deployed one has); return how many were served."""
+    """Serve the plan's warm-up requests through `target`, two at a time (so that none waits
+    or is refused), before its search: a sidecar learns its output lengths as a deployed one
+    has. Returns how many were served."""
     if not plan.warmup_requests:
         return 0
     progress.show(f"warming up {P.TARGET_NAMES[target]} on {engine}")
@@ -343,7 +344,7 @@ async def _warm_up(
     requests = materialize(sim, prompts, f"warm-{engine}-{target}", mix in P.ENDS_ITSELF)
     client = _client(st, engine, target)
     try:
-        served = await each_once(client, requests, 8, plan.deadline_s)
+        served = await each_once(client, requests, 2, plan.deadline_s)
     finally:
         await client.close()
     _wait_idle(st.triton.metrics_url, engine_model(engine))
@@ -364,6 +365,7 @@ def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[s
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(total_steps(plan))
     started = time.monotonic()
+    started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     try:
         results = asyncio.run(_bench(plan, seed, progress, out_dir / "logs"))
     finally:
@@ -372,7 +374,7 @@ def run(plan: P.Plan, out_dir: Path, seed: int = 0, command: str = "") -> dict[s
         "plan": plan.name,
         "seed": seed,
         "command": command,
-        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started_utc": started_utc,
         "wall_s": round(time.monotonic() - started, 1),
         "machine": {
             "platform": platform.platform(),

@@ -146,6 +146,9 @@ class KvConfig:
     # Paged mode: the share of the pool new admissions leave free while other requests hold
     # blocks, for those that outgrow their predicted output before the mirror hears of it.
     reserve_fraction: float = 0.05
+    # The engine reserves prompt + max_tokens at admission (TensorRT-LLM's
+    # guaranteed_no_evict): the mirror reserves the same, whatever the prediction.
+    reserve_max_tokens: bool = False
 
     def validate(self) -> None:
         _check(1 <= self.tokens_per_block <= 1024, "kv.tokens_per_block", "must be in [1, 1024]")

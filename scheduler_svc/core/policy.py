@@ -192,7 +192,7 @@ class PolicyScheduler:
             self.counters["demoted"] += 1
         max_tokens = max(1, request.max_tokens)
         predicted = self.predictor.predict(request.tenant, lane, max_tokens)
-        if self.mirror.need(request.prompt_tokens, predicted) > self.mirror.total_blocks:
+        if self._blocks(request.prompt_tokens, predicted, max_tokens) > self.mirror.total_blocks:
             return self._too_large(request, lane, max_tokens, predicted)
         late = self._late(lane, request.queue_deadline, now)
         if late is not None:
@@ -332,7 +332,7 @@ class PolicyScheduler:
     ) -> Admitted | Rejected:
         rid = request.request_id
         if not self.config.elastic_backend:
-            blocks = self.mirror.need(request.prompt_tokens, predicted)
+            blocks = self._blocks(request.prompt_tokens, predicted, max_tokens)
             return self._reject(
                 rid,
                 RejectReason.TOO_LARGE,
@@ -492,8 +492,18 @@ class PolicyScheduler:
         shrank goes in parts), within the lane's cap on rows (`_rows_left`)."""
         limit = min(self._rows_left(lane), max_batch)
         order = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[: max(0, limit)]
-        needs = [self.mirror.need(e.prompt_tokens, e.predicted_output) for e in order]
+        needs = [self.need(e) for e in order]
         return order[: self.mirror.admissible(needs)]
+
+    def _blocks(self, prompt_tokens: int, predicted: int, max_tokens: int) -> int:
+        """Blocks a request reserves: for its predicted output, or for all of max_tokens where
+        the engine reserves that itself (`kv.reserve_max_tokens`)."""
+        output = max_tokens if self.config.kv.reserve_max_tokens else predicted
+        return self.mirror.need(prompt_tokens, output)
+
+    def need(self, entry: Entry) -> int:
+        """Blocks a queued request reserves at dispatch."""
+        return self._blocks(entry.prompt_tokens, entry.predicted_output, entry.max_tokens)
 
     @property
     def _rows_in_flight(self) -> int:
@@ -522,7 +532,7 @@ class PolicyScheduler:
         assert bucket is not None
         # Everything that can fail is worked out before anything changes: a batch is released
         # whole or not at all, and never leaves a reservation behind.
-        blocks = [self.mirror.need(e.prompt_tokens, e.predicted_output) for e in entries]
+        blocks = [self.need(e) for e in entries]
         if sum(blocks) > self.mirror.free_blocks:
             raise ValueError(f"{sum(blocks)} blocks wanted, {self.mirror.free_blocks} free")
         cost = sum(e.cost_tokens for e in entries)
@@ -721,7 +731,10 @@ class PolicyScheduler:
             flight.prefilling = False
             self._prefill_tokens[flight.lane] -= flight.prompt_tokens
         used = flight.prompt_tokens + output_tokens
-        self.mirror.progress(request_id, used, flight.prompt_tokens + flight.max_tokens)
+        # Past its prediction, a reservation grows by another prediction's worth (at most to
+        # prompt + max_tokens): outputs past a high quantile mostly end soon after it.
+        grow_to = min(flight.prompt_tokens + flight.max_tokens, used + flight.predicted_output)
+        self.mirror.progress(request_id, used, grow_to)
         if output_tokens > flight.predicted_output and not flight.mispredicted:
             flight.mispredicted = True
             self.counters["mispredicted"] += 1

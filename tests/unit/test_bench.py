@@ -102,6 +102,8 @@ def test_goodput_counts_only_served_requests_within_their_lanes_slo() -> None:
         "ttft_p99_ms": 150.0,
         "e2e_p50_ms": 200.0,
         "e2e_p99_ms": 300.0,
+        "tpot_p50_ms": 16.7,  # (e2e - ttft) / 9 tokens after the first
+        "tpot_p99_ms": 16.7,
     }
     assert s["lanes"]["warm"]["ttft_p99_ms"] is None  # nothing served: no latency to report
     assert s["failed_or_late"] == 0.6  # 2 of 5 within their SLO: the document's burst figure

@@ -440,8 +440,24 @@ def test_a_request_past_its_prediction_gets_more_blocks_and_is_counted() -> None
     before = policy.mirror.held()["big"]
     assert before == 13  # (100 + 100) / 16, rounded up
     policy.on_progress("big", 150, 0.3)
-    assert policy.mirror.held()["big"] == 32  # grown to cover prompt + max_tokens
+    assert policy.mirror.held()["big"] == 22  # used 250 + another prediction's 100 tokens
+    policy.on_progress("big", 260, 0.35)
+    assert policy.mirror.held()["big"] == 29  # 360 + 100
+    policy.on_progress("big", 390, 0.4)
+    assert policy.mirror.held()["big"] == 32  # at most prompt + max_tokens
     assert dict(policy.stats().counters)["mispredicted"] == 1
+
+
+def test_an_engine_that_reserves_max_tokens_is_mirrored_so() -> None:
+    kv = KvConfig(total_blocks=1000, reserve_max_tokens=True)
+    policy = PolicyScheduler(PolicyConfig(kv=kv))
+    for i in range(16):  # the predictor learns a quarter of max_tokens ...
+        policy.submit(req(f"t{i}", 100, max_tokens=400), 0.0)
+    for d in policy.schedule(0.0):
+        policy.on_done(d.request_id, 0.1, 100)
+    policy.submit(req("next", 100, max_tokens=400), 0.2)
+    policy.schedule(0.25)
+    assert policy.mirror.held()["next"] == 32  # ... but the engine holds prompt + max_tokens
 
 
 def test_admission_keeps_the_reserve_free_and_waits_while_blocks_are_owed() -> None:
@@ -468,10 +484,11 @@ def test_admission_keeps_the_reserve_free_and_waits_while_blocks_are_owed() -> N
     now += 1.0
     assert sorted(dispatched(policy.schedule(now))) == ["a", "b", "c"]
     assert policy.stats().kv.free_blocks == 50 and "d" in policy.queued_ids()
-    # Each outruns its prediction and grows to prompt + max_tokens (69 blocks): the third finds
-    # too few free, so blocks are owed, and even a one-block request waits.
+    # Each outruns its prediction and grows by another prediction's worth, to prompt +
+    # max_tokens here (69 blocks): the third finds too few free, so blocks are owed, and even
+    # a one-block request waits.
     for rid in "abc":
-        policy.on_progress(rid, 200, now)
+        policy.on_progress(rid, 300, now)
     assert policy.stats().kv.owed_blocks == 7
     policy.submit(req("small", 10, max_tokens=4), now)
     assert dispatched(policy.schedule(now + 0.1)) == []
@@ -684,7 +701,7 @@ class PolicyMachine(RuleBasedStateMachine):
         slot = limit is None or self.policy.stats().batches_in_flight < limit
 
         def fits(entry: Entry) -> bool:
-            need = mirror.need(entry.prompt_tokens, entry.predicted_output)
+            need = self.policy.need(entry)
             lane = next(n for n, q in self.policy.lanes.items() if entry.request_id in q.entries)
             return mirror.admissible([need]) == 1 and self.rows_left(lane) > 0 and slot
 

@@ -77,6 +77,11 @@ def test_the_engine_profile_is_read_from_the_models_config() -> None:
     config.parameters["gpt_model_type"].string_value = "inflight_fused_batching"
     assert profile_from_config(config, "auto").batching is Batching.INFLIGHT
     assert profile_from_config(config, "static").batching is Batching.STATIC  # the override
+    # How the engine allocates KV: guaranteed_no_evict (TensorRT-LLM's default) reserves
+    # prompt + max_tokens; max_utilization allocates as tokens come.
+    assert profile.reserves_max_tokens
+    config.parameters["batch_scheduler_policy"].string_value = "max_utilization"
+    assert not profile_from_config(config, "auto").reserves_max_tokens
 
 
 def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them() -> None:
@@ -96,3 +101,10 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert held.prefill_budget_tokens is None  # a static engine prefills whole batches
     pinned = load_config(None, {"policy": {"max_batches_in_flight": 2}})
     assert pinned.policy_for_engine(pinned.policy_config(), static).max_batches_in_flight == 2
+    # The KV mirror reserves as an in-flight engine allocates, unless the config pins it.
+    assert flowing.kv.reserve_max_tokens
+    allocating = EngineProfile(Batching.INFLIGHT, max_batch_size=64, reserves_max_tokens=False)
+    assert not cfg.policy_for_engine(base, allocating).kv.reserve_max_tokens
+    assert not held.kv.reserve_max_tokens  # static batches: as before
+    mine = load_config(None, {"policy": {"kv": {"reserve_max_tokens": False}}})
+    assert not mine.policy_for_engine(mine.policy_config(), inflight).kv.reserve_max_tokens
