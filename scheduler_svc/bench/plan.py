@@ -128,6 +128,9 @@ class Plan:
     defaults_at: tuple[tuple[str, str], ...] = ()
     # Who the QPS-at-SLO search runs (the matrix adds its settings where it applies).
     slo_target_set: tuple[str, ...] = TARGETS
+    # A trial lasts long enough to offer at least this many requests (a P99 over a few dozen
+    # is one request's luck on a noisy host).
+    slo_min_requests: int = 0
     # Requests each target serves, closed loop, before its search: what a deployed sidecar has
     # learned (output lengths) by the time it is measured. Not counted in any figure.
     warmup_requests: int = 0
@@ -224,6 +227,7 @@ KV = Plan(
     slo_range=(0.25, 2.0),
     slo_iterations=3,
     slo_window_s=20.0,
+    slo_min_requests=100,
     slo_target_set=("triton", "policy"),
     warmup_requests=48,
 )

@@ -297,16 +297,22 @@ async def _slo_search(
             while (rate := search.next_rate()) is not None:
                 label = f"QPS at SLO: {engine} {mix} {P.TARGET_NAMES[target]} at {rate:.2f}/s"
                 progress.show(label)
-                sim = P.schedule(mix, rate, plan.slo_window_s, seed + round(rate * 1000))
+                window = max(plan.slo_window_s, plan.slo_min_requests / rate)
+                sim = P.schedule(mix, rate, window, seed + round(rate * 1000))
                 generous = mix in P.ENDS_ITSELF
                 requests = materialize(sim, prompts, f"slo-{len(out)}-{len(trials)}", generous)
                 step = P.Step(engine, mix, rate / capacity)
-                _, summary = await _measured_run(
-                    st, step, target, requests, plan, plan.slo_window_s, slo
-                )
+                _, summary = await _measured_run(st, step, target, requests, plan, window, slo)
                 met = P.meets_slo(summary, slo)
                 search.record(rate, met)
-                trials.append({"rate_rps": round(rate, 3), "met": met, "summary": summary})
+                trials.append(
+                    {
+                        "rate_rps": round(rate, 3),
+                        "window_s": round(window, 1),
+                        "met": met,
+                        "summary": summary,
+                    }
+                )
                 progress.advance(label)
             best = [t for t in trials if t["met"] and t["rate_rps"] == round(search.rate, 3)]
             out.append(
