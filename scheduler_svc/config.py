@@ -19,6 +19,10 @@ from scheduler_svc.core import config as core_config
 from scheduler_svc.core.config import KvConfig, PolicyConfig
 from scheduler_svc.errors import ConfigError
 
+# The output quantile reserved in front of an engine that allocates KV as tokens come
+# (max_utilization), unless `policy.predict.quantile` says otherwise.
+MEDIAN_FOR_ALLOCATING_ENGINES = 0.5
+
 
 class _Frozen(BaseModel):
     # Strict: an integer field takes an integer (not "3", not 1.5, not true); floats are finite.
@@ -423,7 +427,8 @@ class SidecarConfig(_Frozen):
         (max_num_sequences) or than a request may carry (max_batch_size), so its rows in
         flight are capped there; an in-flight engine merely queues what it cannot run yet.
         On an in-flight engine the KV mirror reserves as the engine allocates
-        (`kv.reserve_max_tokens` under guaranteed_no_evict)."""
+        (`kv.reserve_max_tokens` under guaranteed_no_evict; the median predicted output under
+        max_utilization)."""
         static = engine.batching is Batching.STATIC
         changes: dict[str, Any] = {}
         if "continuous_batching" not in self.policy:
@@ -447,6 +452,19 @@ class SidecarConfig(_Frozen):
                 changes["kv"] = dataclasses.replace(
                     kv, reserve_max_tokens=engine.reserves_max_tokens
                 )
+        chosen = self.policy.get("predict")
+        if (
+            not static
+            and not engine.reserves_max_tokens
+            and not (isinstance(chosen, Mapping) and "quantile" in chosen)
+        ):
+            # An engine that allocates as tokens come: reserve each request's median output
+            # (many rows' outputs sum close to their medians; the reserve absorbs the spread and
+            # a row that outruns grows). The 90th percentile, summed over every row, held the
+            # KV bench at 0.68x Triton alone.
+            changes["predict"] = dataclasses.replace(
+                base.predict, quantile=MEDIAN_FOR_ALLOCATING_ENGINES
+            )
         return dataclasses.replace(base, **changes) if changes else base
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:

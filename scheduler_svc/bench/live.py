@@ -59,8 +59,6 @@ KV_PRESSURE = {
     "eos_mean_tokens": "40",
     "eos_sigma": "0.8",
 }
-KV_STRATEGIES = ("kv_noevict", "kv_maxutil")
-KV_PREDICT_QUANTILE = 0.5
 ENGINES: dict[str, dict[str, str]] = {
     "inflight": {"gpt_model_type": "inflight_fused_batching"},
     "static": STATIC_ENGINE,
@@ -204,12 +202,6 @@ def sidecar_config(
         }
         for lane in config["policy"]["lanes"]:
             lane.update(batching)
-        if strategy in KV_STRATEGIES:
-            # On an engine that allocates as tokens come, reserve each request's median output:
-            # many rows' outputs sum close to their medians, the reserve absorbs the spread and
-            # a request past its prediction grows. (The default 90th percentile, summed over
-            # every row, reserves for a pool far fuller than it gets.)
-            config["policy"]["predict"] = {"quantile": KV_PREDICT_QUANTILE}
     return config
 
 

@@ -105,6 +105,11 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert flowing.kv.reserve_max_tokens
     allocating = EngineProfile(Batching.INFLIGHT, max_batch_size=64, reserves_max_tokens=False)
     assert not cfg.policy_for_engine(base, allocating).kv.reserve_max_tokens
+    # ... and reserves the median output there, the 90th percentile elsewhere, unless pinned.
+    assert cfg.policy_for_engine(base, allocating).predict.quantile == 0.5
+    assert cfg.policy_for_engine(base, inflight).predict.quantile == 0.9
+    chosen = load_config(None, {"policy": {"predict": {"quantile": 0.8}}})
+    assert chosen.policy_for_engine(chosen.policy_config(), allocating).predict.quantile == 0.8
     assert not held.kv.reserve_max_tokens  # static batches: as before
     mine = load_config(None, {"policy": {"kv": {"reserve_max_tokens": False}}})
     assert not mine.policy_for_engine(mine.policy_config(), inflight).kv.reserve_max_tokens
