@@ -367,7 +367,7 @@ class GenerationService:
             remaining = min(remaining, params.time_remaining_s)
         deadline = run.started + remaining
         ends_at = asyncio.get_running_loop().time() + remaining
-        ticket = await self.loop.submit(request, row, deadline)
+        ticket = await self._submit(run, tenant, request, row, deadline)
         try:
             try:
                 async with asyncio.timeout_at(ends_at):
@@ -408,6 +408,24 @@ class GenerationService:
             self.loop.metrics.observe_end(
                 run.lane, run.outcome, run.dispatched, run.ttft_s, time.monotonic() - run.started
             )
+
+    async def _submit(
+        self, run: _Run, tenant: str, request: Request, row: GenerationInput, deadline: float
+    ) -> Ticket:
+        try:
+            return await self.loop.submit(request, row, deadline)
+        except RequestError as exc:
+            # Refused before it was accepted: no `request end` follows, so say why here.
+            log.info(
+                "request refused",
+                request_id=run.request_id,
+                sidecar_id=run.internal_id,
+                tenant=tenant,
+                prompt_tokens=run.prompt_tokens,
+                outcome=exc.type,
+                reason=str(exc)[:200],
+            )
+            raise
 
     def _expired(self, decision: Expired, run: _Run, queue_timeout: float | None) -> RequestError:
         waited = f"waited {run.queue_ms:.0f} ms in the sidecar queue ({decision.lane} lane)"

@@ -9,11 +9,17 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+import structlog.testing
 
 from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.types import Target
-from scheduler_svc.errors import BackendFailedError, BadRequestError, QueueTimeoutError
+from scheduler_svc.errors import (
+    BackendFailedError,
+    BadRequestError,
+    OverloadedError,
+    QueueTimeoutError,
+)
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.runner import runner_for
 from scheduler_svc.server.app import make_scheduler
@@ -177,3 +183,27 @@ def test_log_probs_come_with_their_tokens_for_the_rows_that_ask() -> None:
         assert [[r.return_log_probs for r in c.rows] for c in backend.calls] == [[True, False]]
 
     serve(backend, body)
+
+
+def test_a_request_refused_at_arrival_says_why_in_the_log() -> None:
+    backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
+
+    async def body(service: GenerationService) -> None:
+        backend.hold()
+        running = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x")))
+        for _ in range(1000):
+            if backend.calls:
+                break
+            await asyncio.sleep(0.001)
+        queued = asyncio.ensure_future(collect(service, GenerationParams("b", prompt="x")))
+        await asyncio.sleep(0.01)
+        with structlog.testing.capture_logs() as logs, pytest.raises(OverloadedError):
+            await collect(service, GenerationParams("c", prompt="x", tenant="t1"))
+        refused = [e for e in logs if e["event"] == "request refused"]
+        assert len(refused) == 1 and refused[0]["request_id"] == "c"
+        assert refused[0]["outcome"] == "overloaded" and "is full" in refused[0]["reason"]
+        backend.release()
+        await asyncio.gather(running, queued)
+
+    lane = {"name": "hot", "max_queued": 1, "queue_timeout_s": None, "max_wait_s": None}
+    serve(backend, body, lanes=[lane], max_batches_in_flight=1)
