@@ -115,10 +115,17 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class Delta:
-    text: str
-    token_ids: tuple[int, ...]
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
     # One per token id, where the request asked for log probabilities (None otherwise).
     log_probs: tuple[float, ...] | None = None
+
+    def __add__(self, later: Delta) -> Delta:
+        """This delta and a later one as one (a front that holds back a delta with no text)."""
+        probs = None
+        if self.log_probs is not None or later.log_probs is not None:
+            probs = (self.log_probs or ()) + (later.log_probs or ())
+        return Delta(self.text + later.text, self.token_ids + later.token_ids, probs)
 
 
 @dataclass(frozen=True)
@@ -416,15 +423,7 @@ class GenerationService:
             return await self.loop.submit(request, row, deadline)
         except RequestError as exc:
             # Refused before it was accepted: no `request end` follows, so say why here.
-            log.info(
-                "request refused",
-                request_id=run.request_id,
-                sidecar_id=run.internal_id,
-                tenant=tenant,
-                prompt_tokens=run.prompt_tokens,
-                outcome=exc.type,
-                reason=str(exc)[:200],
-            )
+            log.info("request refused", **run.who(tenant), outcome=exc.type, reason=str(exc)[:200])
             raise
 
     def _expired(self, decision: Expired, run: _Run, queue_timeout: float | None) -> RequestError:
@@ -520,16 +519,22 @@ class _Run:
     def queue_ms(self) -> float:
         return ((self.queued_at or time.monotonic()) - self.started) * 1000
 
+    def who(self, tenant: str) -> dict[str, object]:
+        """What every log line about this request names."""
+        return {
+            "request_id": self.request_id,
+            "sidecar_id": self.internal_id,
+            "tenant": tenant,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
     def log_end(self, tenant: str) -> None:
         now = time.monotonic()
         log.info(
             "request end",
-            request_id=self.request_id,
-            sidecar_id=self.internal_id,
-            tenant=tenant,
+            **self.who(tenant),
             lane=self.lane,
             outcome=self.outcome,
-            prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             queue_ms=round(self.queue_ms, 2),
             ttft_ms=round((self.first_token_at - self.started) * 1000, 2)

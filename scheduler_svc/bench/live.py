@@ -263,20 +263,18 @@ def engine_value(samples: dict[Any, float], name: str, model: str, **labels: str
 
 
 def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
-    """Tokens so far by (phase, kind): context or generation, processed or useful."""
+    """Tokens so far by (phase, kind): context or generation, processed or useful; and, under
+    ("paused", ""), the sequences the CPU engine has paused to free KV blocks."""
     samples = scrape(metrics_url)
     name = "scheduler_svc_engine_tokens_total"
-    return {
+    counts = {
         (phase, kind): engine_value(samples, name, model, phase=phase, kind=kind)
         for phase in ("context", "generation")
         for kind in ("processed", "useful")
     }
-
-
-def paused_total(metrics_url: str, model: str) -> float:
-    """Sequences the CPU engine has paused so far (to free KV blocks, recomputed later)."""
-    samples = scrape(metrics_url)
-    return engine_value(samples, "scheduler_svc_engine_paused_requests_total", model)
+    paused = "scheduler_svc_engine_paused_requests_total"
+    counts["paused", ""] = engine_value(samples, paused, model)
+    return counts
 
 
 class EngineSampler:
@@ -291,7 +289,6 @@ class EngineSampler:
 
     def __enter__(self) -> EngineSampler:
         self._start = token_counts(self.metrics_url, self.model)
-        self._paused = paused_total(self.metrics_url, self.model)
         self._thread.start()
         return self
 
@@ -304,7 +301,7 @@ class EngineSampler:
         self.delta.useful_tokens = moved["context", "useful"]
         self.delta.generation_processed = moved["generation", "processed"]
         self.delta.generation_useful = moved["generation", "useful"]
-        self.delta.paused = paused_total(self.metrics_url, self.model) - self._paused
+        self.delta.paused = moved["paused", ""]
 
     def _run(self) -> None:
         kv, req = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metrics"

@@ -3,8 +3,6 @@ Triton's request parameters, the row bound, and what the engine cannot do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from tritonclient.grpc import service_pb2 as kv
 
@@ -58,22 +56,6 @@ def triton_urgency(priority: int | None) -> Urgency:
     if priority < 0:
         raise BadRequestError(f"parameter priority: {priority} is negative")
     return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """What one response of a row carries: text (the text contract), ids (the engine's), and
-    the ids' log probabilities where the row asked for them."""
-
-    text: str = ""
-    ids: tuple[int, ...] = ()
-    log_probs: tuple[float, ...] | None = None
-
-    def __add__(self, later: Piece) -> Piece:
-        probs = None
-        if self.log_probs is not None or later.log_probs is not None:
-            probs = (self.log_probs or ()) + (later.log_probs or ())
-        return Piece(self.text + later.text, self.ids + later.ids, probs)
 
 
 def add_log_probs(

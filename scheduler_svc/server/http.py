@@ -359,7 +359,7 @@ class HttpFront:
             async for got in events:
                 event = got
                 if isinstance(got, Delta):
-                    event = _joined(carry, got)
+                    event = got if carry is None else carry + got
                     if not event.text:
                         carry = event
                         continue
@@ -486,15 +486,6 @@ class HttpFront:
             raise InternalError("generation ended without a final answer")
 
         return await self._answer(request, params, shape, streamed, None)
-
-
-def _joined(earlier: Delta | None, later: Delta) -> Delta:
-    if earlier is None:
-        return later
-    probs = None
-    if earlier.log_probs is not None or later.log_probs is not None:
-        probs = (earlier.log_probs or ()) + (later.log_probs or ())
-    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids, probs)
 
 
 def _generate_inputs(

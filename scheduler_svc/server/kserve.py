@@ -41,7 +41,6 @@ from scheduler_svc.server.contract import (
     LOG_PROB_OUTPUTS,
     MAX_ROWS,
     NUMPY_DTYPES,
-    Piece,
     add_log_probs,
     add_row_index,
     refuse_what_the_engine_cannot_do,
@@ -591,11 +590,11 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         """One row of an engine-contract request: new token ids per response when streaming,
         else all of them at the end."""
 
-        def answer(piece: Piece, cum: float, final: bool) -> kv.ModelStreamInferResponse:
+        def answer(piece: Delta, cum: float, final: bool) -> kv.ModelStreamInferResponse:
             response = engine_response(request, piece, cum, final, row)
             return kv.ModelStreamInferResponse(infer_response=response)
 
-        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.ids))
+        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.token_ids))
 
     async def _row_streamed(
         self,
@@ -608,7 +607,7 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     ) -> None:
         """One row of a text request: a response per text delta when streaming, else one."""
 
-        def answer(piece: Piece, cum: float, final: bool) -> kv.ModelStreamInferResponse:
+        def answer(piece: Delta, cum: float, final: bool) -> kv.ModelStreamInferResponse:
             probs: list[tuple[float, ...] | None] = [piece.log_probs]
             asked = piece.log_probs is not None
             response = _response(request, [piece.text], final, row, probs if asked else None, [cum])
@@ -622,36 +621,36 @@ class KServeFront(kv_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         stream: bool,
         left: list[int],
         out: asyncio.Queue[kv.ModelStreamInferResponse | None],
-        answer: Callable[[Piece, float, bool], kv.ModelStreamInferResponse],
-        shows: Callable[[Piece], bool],
+        answer: Callable[[Delta, float, bool], kv.ModelStreamInferResponse],
+        shows: Callable[[Delta], bool],
     ) -> None:
         """Generate one row and answer it: each piece that `shows` something (held back one,
         so the very last response of the request can be flagged final), or the whole row at
         the end. A delta that shows nothing (ids whose text is not complete yet) rides with
         the next one, so every token's log probability goes out exactly once."""
-        held: Piece | None = None
-        carry = Piece()
+        held: Delta | None = None
+        carry = Delta()
         cum = 0.0  # the row's log probabilities so far, up to the held piece
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Delta):
                     if not stream:
                         continue
-                    piece = carry + Piece(event.text, event.token_ids, event.log_probs)
+                    piece = carry + event
                     if not shows(piece):
                         carry = piece
                         continue
                     if held is not None:
                         cum += sum(held.log_probs or ())
                         await out.put(answer(held, cum, False))
-                    held, carry = piece, Piece()
+                    held, carry = piece, Delta()
                     continue
                 left[0] -= 1
                 if stream:
-                    last = (held or Piece()) + carry
+                    last = (held or Delta()) + carry
                     cum += sum(last.log_probs or ())
                 else:
-                    last = Piece(event.text, event.token_ids, event.log_probs)
+                    last = Delta(event.text, event.token_ids, event.log_probs)
                     cum = sum(last.log_probs or ())
                 await out.put(answer(last, cum, left[0] == 0))
                 return

@@ -23,7 +23,6 @@ from scheduler_svc.server.contract import (
     LOG_PROB_OUTPUTS,
     MAX_ROWS,
     NUMPY_DTYPES,
-    Piece,
     add_log_probs,
     add_row_index,
     refuse_what_the_engine_cannot_do,
@@ -31,7 +30,7 @@ from scheduler_svc.server.contract import (
     triton_urgency,
     typed_contents,
 )
-from scheduler_svc.service import Final, GenerationParams
+from scheduler_svc.service import Delta, Final, GenerationParams
 
 
 @dataclass(frozen=True)
@@ -202,7 +201,7 @@ def parse_engine_request(
 
 
 def engine_response(
-    request: kv.ModelInferRequest, piece: Piece, cum: float, final: bool, row: int | None
+    request: kv.ModelInferRequest, piece: Delta, cum: float, final: bool, row: int | None
 ) -> kv.ModelInferResponse:
     """output_ids [1, 1, tokens] and sequence_length [1, 1] (one beam), the log-probability
     outputs where the row asked, and batch_index / sequence_index for a row of a batched
@@ -210,7 +209,7 @@ def engine_response(
     response = kv.ModelInferResponse(
         model_name=request.model_name, model_version="1", id=request.id
     )
-    tokens = piece.ids
+    tokens = piece.token_ids
     for name, shape, data in (
         ("output_ids", [1, 1, len(tokens)], np.asarray(tokens, dtype="<i4")),
         ("sequence_length", [1, 1], np.asarray([len(tokens)], dtype="<i4")),

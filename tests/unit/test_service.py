@@ -57,6 +57,15 @@ async def collect(service: GenerationService, params: GenerationParams) -> list[
     return [event async for event in service.generate(params)]
 
 
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Let the service run until `check` holds (a bounded number of turns)."""
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never: {what}")
+
+
 def test_text_in_text_out_through_a_static_batch() -> None:
     backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
 
@@ -104,10 +113,7 @@ def test_a_queue_timeout_and_a_backend_failure_reach_the_caller_as_their_errors(
     async def body(service: GenerationService) -> None:
         backend.hold()
         first = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x y z")))
-        for _ in range(1000):
-            if backend.calls:
-                break
-            await asyncio.sleep(0.001)
+        await until(lambda: bool(backend.calls), "the engine is busy with a")
         try:  # the engine is busy with "a": "b" waits past its own timeout
             await collect(service, GenerationParams("b", prompt="x y z", queue_timeout_s=0.05))
         except QueueTimeoutError as exc:
@@ -191,12 +197,9 @@ def test_a_request_refused_at_arrival_says_why_in_the_log() -> None:
     async def body(service: GenerationService) -> None:
         backend.hold()
         running = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x")))
-        for _ in range(1000):
-            if backend.calls:
-                break
-            await asyncio.sleep(0.001)
+        await until(lambda: bool(backend.calls), "the engine is busy with a")
         queued = asyncio.ensure_future(collect(service, GenerationParams("b", prompt="x")))
-        await asyncio.sleep(0.01)
+        await until(lambda: service.loop.scheduler.stats().queued == 1, "b waits in its lane")
         with structlog.testing.capture_logs() as logs, pytest.raises(OverloadedError):
             await collect(service, GenerationParams("c", prompt="x", tenant="t1"))
         refused = [e for e in logs if e["event"] == "request refused"]
