@@ -15,7 +15,7 @@ import pytest
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.triton.launcher import TritonServer, free_port
-from tests.integration.sidecar import SidecarProcess
+from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,13 @@ def test_the_metrics_endpoint_counts_what_the_sidecar_admits(
         value(after, accepted, verdict="accepted")
         == value(before, accepted, verdict="accepted") + 1
     )
-    assert value(after, "scheduler_svc_in_flight_requests") == 0
+    # The answer reaches the client before the runner reports the row's end to the core loop,
+    # so the gauge can still read 1 at the first scrape (seen once in CI): it must come back.
+    eventually(
+        lambda: value(scrape(url), "scheduler_svc_in_flight_requests") == 0,
+        "the finished request leaves the in-flight gauge",
+        timeout_s=10.0,
+    )
 
 
 def test_every_metric_the_alerts_and_dashboard_use_is_exported(
