@@ -9,6 +9,8 @@ Commands:
   health   ask a sidecar's gRPC health service (exit 0 when SERVING); for container probes
   drain    drain a sidecar and wait until it is idle (Triton's preStop in Kubernetes)
   chaos    fuzz both gRPC fronts and fault Triton (freeze, slow, kill, SIGTERM); reliability
+  rollout  a sidecar's canary rollout: where it stands, a new share, the next step
+  spec-gate  draft/target n-gram overlap on a prompt set; pass or fail (the 92 % gate)
 """
 
 from __future__ import annotations
@@ -362,6 +364,83 @@ def _drain(args: argparse.Namespace) -> int:
     return 1
 
 
+def _rollout(args: argparse.Namespace) -> int:
+    """Show or change a sidecar's rollout through its admin listener."""
+    import grpc  # noqa: PLC0415
+
+    from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb  # noqa: PLC0415
+    from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    token = os.environ.get("SCHEDULER_SVC_ADMIN_TOKEN")  # never a flag: argv is public
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.insecure_channel(args.address) as channel:
+        admin = pb_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            if args.action == "set":
+                reply = admin.SetRollout(
+                    pb.SetRolloutRequest(weight=args.weight), timeout=5, metadata=metadata
+                )
+            elif args.action == "advance":
+                reply = admin.SetRollout(
+                    pb.SetRolloutRequest(advance=True), timeout=5, metadata=metadata
+                )
+            else:
+                reply = admin.GetRollout(pb.GetRolloutRequest(), timeout=5, metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(
+        f"{reply.current} -> {reply.candidate}: {reply.phase}, candidate at {reply.weight} %"
+        + (f", current drains in {reply.hold_left_s:.0f} s" if reply.phase == "hold" else "")
+    )
+    print(f"{'group':<16}{'share':>7}{'ready':>7}{'requests':>10}{'errors':>8}{'SLO met':>9}")
+    for g in reply.groups:
+        met = f"{g.attained / g.requests:.1%}" if g.requests else "-"
+        print(f"{g.group:<16}{g.share:>6}%{g.ready!s:>7}{g.requests:>10}{g.errors:>8}{met:>9}")
+    return 0
+
+
+def _spec_gate(args: argparse.Namespace) -> int:
+    from scheduler_svc import specgate  # noqa: PLC0415
+    from scheduler_svc.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    draft = specgate.ModelAddress.parse(args.draft)
+    target = specgate.ModelAddress.parse(args.target)
+    if not 0 < args.threshold <= 1:
+        raise ConfigError(f"--threshold: {args.threshold} is outside (0, 1]")
+    if not 1 <= args.max_tokens <= 4096:
+        raise ConfigError(f"--max-tokens: {args.max_tokens} is outside 1..4096")
+    tokenizer = load_tokenizer(args.tokenizer_dir)
+    prompts = [tokenizer.encode(p).ids for p in specgate.read_prompts(args.prompts)]
+
+    async def both() -> tuple[list[list[int]], list[list[int]]]:
+        ends = (args.end_id, args.pad_id)
+        return (
+            await specgate.greedy_outputs(draft, prompts, args.max_tokens, *ends),
+            await specgate.greedy_outputs(target, prompts, args.max_tokens, *ends),
+        )
+
+    try:
+        drafts, targets = asyncio.run(both())
+    except Exception as exc:  # grpc's errors and the backend's: one line, exit 2
+        raise ConfigError(f"cannot run the models: {type(exc).__name__}: {exc}") from None
+    result = specgate.judge(
+        list(zip(drafts, targets, strict=True)), args.threshold, str(draft), str(target)
+    )
+    print(
+        f"draft  {draft}\ntarget {target}\nprompts {result.prompts}, max_tokens {args.max_tokens}"
+    )
+    print(f"{'n':>3}{'overlap':>10}")
+    for n, share in result.overlap.items():
+        print(f"{n:>3}{share:>10.1%}")
+    verdict = "PASS" if result.passed else "FAIL"
+    print(f"{verdict}: smallest overlap {result.deciding:.1%}, threshold {args.threshold:.0%}")
+    if args.out:
+        specgate.write_result(result, Path(args.out))
+        print(f"wrote {args.out}")
+    return 0 if result.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scheduler-svc",
@@ -424,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     triton.set_defaults(func=_triton)
 
     _add_tool_commands(commands)
+    _add_rollout_commands(commands)
     return parser
 
 
@@ -512,6 +592,39 @@ def _add_tool_commands(commands: Any) -> None:
     drain.add_argument("--address", default="127.0.0.1:50052", help="the admin listener")
     drain.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most")
     drain.set_defaults(func=_drain)
+
+
+def _add_rollout_commands(commands: Any) -> None:
+    """The rollout's operator command and the speculative-decoding gate."""
+    rollout = commands.add_parser(
+        "rollout", help="show or change a sidecar's canary rollout (admin listener)"
+    )
+    rollout.add_argument("--address", default="127.0.0.1:50052", help="the admin listener")
+    actions = rollout.add_subparsers(dest="action")
+    actions.add_parser("status", help="where the rollout stands (the default)")
+    weight = actions.add_parser("set", help="give the candidate a share of the traffic")
+    weight.add_argument("weight", type=int, help="percent, 0..100 (0 takes it all back)")
+    actions.add_parser("advance", help="the next configured step (rollout.steps)")
+    rollout.set_defaults(func=_rollout)
+
+    gate = commands.add_parser(
+        "spec-gate",
+        help="run a draft and a target model greedily on a prompt set; report n-gram overlap",
+    )
+    gate.add_argument("--draft", required=True, help="HOST:PORT/MODEL of the draft engine")
+    gate.add_argument("--target", required=True, help="HOST:PORT/MODEL of the target engine")
+    gate.add_argument("--prompts", required=True, help="a text file, one prompt per line")
+    gate.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
+    gate.add_argument(
+        "--threshold", type=float, default=0.92, help="the overlap to pass (the document's 92 %%)"
+    )
+    gate.add_argument("--out", help="write the result JSON here (what spec_gate.result_file reads)")
+    gate.add_argument(
+        "--tokenizer-dir", default="deepseek-v4", help="tokenizer (model.tokenizer_dir)"
+    )
+    gate.add_argument("--end-id", type=int, default=1, help="the model's end token id")
+    gate.add_argument("--pad-id", type=int, default=2, help="the model's pad token id")
+    gate.set_defaults(func=_spec_gate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

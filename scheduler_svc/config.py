@@ -7,6 +7,7 @@ wrong (`queue.max_queued: Input should be greater than or equal to 0`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.core import config as core_config
 from scheduler_svc.core.config import KvConfig, PolicyConfig
+from scheduler_svc.core.routing import (
+    DEFAULT_GROUP,
+    RolloutConfig,
+    Router,
+    RouteRule,
+    SpecGateConfig,
+)
 from scheduler_svc.errors import ConfigError
 
 # The output quantile reserved in front of an engine that allocates KV as tokens come
@@ -374,6 +382,102 @@ class HttpConfig(_Frozen):
         max_length=64,
         description="Header naming the tenant; a credential's tenant may only be narrowed.",
     )
+    session_header: str = Field(
+        "x-session-id",
+        min_length=1,
+        max_length=64,
+        description="Header naming the conversation: a rollout keeps a session on one version.",
+    )
+    precision_header: str = Field(
+        "x-precision",
+        min_length=1,
+        max_length=64,
+        description="Header naming the engine precision asked for (a value `routes` names).",
+    )
+
+
+_GROUP_NAME = r"^[a-z][a-z0-9_-]{0,31}$"
+
+
+class BackendGroup(_Frozen):
+    """A named group of Tritons serving one engine version (docs/operations.md)."""
+
+    url: str = Field(min_length=3, description="Triton gRPC address HOST:PORT.")
+    metrics_url: str | None = Field(None, description="Its metrics page, for its KV counts.")
+    replicas: list[Replica] = Field(
+        default_factory=list, max_length=64, description="More Tritons of this group."
+    )
+    engine_model: str | None = Field(
+        None, min_length=1, description="Its engine model; null: the triton section's."
+    )
+
+
+class RouteRuleConfig(_Frozen):
+    """Requests matching every field given go to `group` (first matching rule wins)."""
+
+    group: str = Field(pattern=_GROUP_NAME, description="A backend group (main: `triton`).")
+    lane: str | None = Field(None, min_length=1, max_length=32, description="Their lane.")
+    tenant: str | None = Field(None, min_length=1, max_length=256, description="Their tenant.")
+    precision: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,32}$",
+        description="The request's explicit `precision` field (e.g. fp16, awq).",
+    )
+
+
+class RolloutSection(_Frozen):
+    """A canary rollout from the `current` group to the `candidate` group."""
+
+    current: str = Field(DEFAULT_GROUP, pattern=_GROUP_NAME, description="The running version.")
+    candidate: str = Field(pattern=_GROUP_NAME, description="The new version.")
+    weight: int = Field(0, ge=0, le=100, description="The candidate's share at start, percent.")
+    steps: list[int] = Field(
+        default_factory=lambda: [10, 50, 100],
+        min_length=1,
+        max_length=16,
+        description="The shares `rollout advance` steps through, percent.",
+    )
+    sticky: Literal["session", "tenant", "none"] = Field(
+        "session", description="What keeps requests on one side: session (else tenant), tenant."
+    )
+    window_s: float = Field(300.0, gt=0, le=86_400, description="The comparison's window.")
+    min_requests: int = Field(
+        50, ge=1, le=1_000_000, description="Requests each side needs in the window."
+    )
+    ttft_slo_s: float = Field(
+        1.0, gt=0, le=600, description="First token within this of reaching the group: attained."
+    )
+    attainment_margin: float = Field(
+        0.05, ge=0, le=1, description="Roll back when the candidate's attainment is this lower."
+    )
+    error_margin: float = Field(
+        0.02, ge=0, le=1, description="Roll back when the candidate's error rate is this higher."
+    )
+    hold_s: float = Field(
+        3600.0, ge=0, le=7 * 86_400, description="How long the old group stays warm at 100 %."
+    )
+    auto_rollback: bool = Field(True, description="Roll back automatically.")
+
+    @model_validator(mode="after")
+    def _steps(self) -> RolloutSection:
+        if any(not 0 < s <= 100 for s in self.steps) or self.steps != sorted(set(self.steps)):
+            raise ValueError("rollout.steps: increasing percentages in 1..100")
+        if self.current == self.candidate:
+            raise ValueError("rollout: current and candidate are the same group")
+        return self
+
+
+class SpecGateSection(_Frozen):
+    """Send the gated lane to a speculative-decoding group while its gate result passes."""
+
+    group: str = Field(pattern=_GROUP_NAME, description="The speculative-decoding group.")
+    lane: str = Field("cold", min_length=1, max_length=32, description="The lane it serves.")
+    result_file: str = Field(
+        min_length=1, description="The JSON `scheduler-svc spec-gate --out` writes."
+    )
+    check_interval_s: float = Field(
+        30.0, gt=0, le=3600, description="How often the result file is read again."
+    )
 
 
 class SidecarConfig(_Frozen):
@@ -397,6 +501,60 @@ class SidecarConfig(_Frozen):
     elastic: BackendEndpoint | None = Field(
         None, description="The overflow pool for cold requests; null: none."
     )
+    groups: dict[str, BackendGroup] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="More named backend groups besides `main` (the triton section): a "
+        "rollout's candidate, a precision pair, a speculative-decoding engine.",
+    )
+    rollout: RolloutSection | None = Field(None, description="A canary rollout; null: none.")
+    routes: list[RouteRuleConfig] = Field(
+        default_factory=list, max_length=64, description="Precision routes, first match wins."
+    )
+    spec_gate: SpecGateSection | None = Field(
+        None, description="The speculative-decoding gate; null: none."
+    )
+
+    @model_validator(mode="after")
+    def _groups_are_known(self) -> SidecarConfig:
+        for name in self.groups:
+            if name == DEFAULT_GROUP or not re.match(_GROUP_NAME, name):
+                raise ValueError(
+                    f"groups: {name!r} is not a group name (lowercase, not {DEFAULT_GROUP!r})"
+                )
+        try:
+            self.router(0.0)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def router(self, now: float) -> Router:
+        """The routing and rollout state these sections describe."""
+        rollout = None
+        if self.rollout is not None:
+            r = self.rollout
+            rollout = RolloutConfig(
+                current=r.current,
+                candidate=r.candidate,
+                weight=r.weight,
+                steps=tuple(r.steps),
+                sticky=r.sticky,
+                window_s=r.window_s,
+                min_requests=r.min_requests,
+                ttft_slo_s=r.ttft_slo_s,
+                attainment_margin=r.attainment_margin,
+                error_margin=r.error_margin,
+                hold_s=r.hold_s,
+                auto_rollback=r.auto_rollback,
+            )
+        gate = self.spec_gate
+        return Router(
+            (DEFAULT_GROUP, *self.groups),
+            rollout,
+            tuple(RouteRule(r.group, r.lane, r.tenant, r.precision) for r in self.routes),
+            SpecGateConfig(gate.group, gate.lane) if gate is not None else None,
+            now,
+        )
 
     @model_validator(mode="after")
     def _policy_is_valid(self) -> SidecarConfig:

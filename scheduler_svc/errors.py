@@ -21,6 +21,7 @@ SchedulerSvcError
     ├── BackendUnavailableError   Triton cannot be reached / not ready   UNAVAILABLE
     ├── BackendFailedError        Triton failed the request              UNAVAILABLE
     ├── BackendRefusedError       Triton refused an admin change         FAILED_PRECONDITION
+    ├── PreconditionError         an admin change the state refuses      FAILED_PRECONDITION
     ├── BackendStalledError       Triton sent nothing for too long       UNAVAILABLE
     ├── MaxDurationError          the request ran past the server's cap  DEADLINE_EXCEEDED
     ├── ShuttingDownError         the sidecar is draining                UNAVAILABLE
@@ -143,6 +144,13 @@ class BackendRefusedError(RequestError):
     type = "backend_refused"
 
 
+class PreconditionError(RequestError):
+    """An admin change that the configuration or the present state does not allow (no
+    rollout configured; a step after the rollout is done)."""
+
+    type = "failed_precondition"
+
+
 class ShuttingDownError(RequestError):
     type = "shutting_down"
 
@@ -211,6 +219,7 @@ GRPC_STATUS: dict[type[RequestError], grpc.StatusCode] = {
     BackendUnavailableError: grpc.StatusCode.UNAVAILABLE,
     BackendFailedError: grpc.StatusCode.UNAVAILABLE,
     BackendRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
+    PreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     BackendStalledError: grpc.StatusCode.UNAVAILABLE,
     MaxDurationError: grpc.StatusCode.DEADLINE_EXCEEDED,
     ShuttingDownError: grpc.StatusCode.UNAVAILABLE,

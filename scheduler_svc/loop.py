@@ -366,8 +366,9 @@ class CoreLoop:
                 runner.start(job)
 
     def _input(self, ticket: Ticket, decision: Dispatch, now: float) -> GenerationInput:
-        """The row as the engine gets it: max_tokens after any degrade, the time left."""
-        row = ticket.row
+        """The row as the engine gets it: max_tokens after any degrade, the time left, its lane
+        (for routing to a backend group)."""
+        row = replace(ticket.row, route=replace(ticket.row.route, lane=decision.lane))
         if decision.max_tokens is not None:
             row = replace(row, max_tokens=decision.max_tokens)
         if ticket.deadline is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -27,6 +28,9 @@ from prometheus_client.registry import Collector
 
 from scheduler_svc.core.policy import EVENTS
 from scheduler_svc.core.types import BatchInfo, SchedulerStats
+
+if TYPE_CHECKING:
+    from scheduler_svc.backends.groups import GroupView, RolloutView
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -128,6 +132,8 @@ class SidecarMetrics:
             self.tenant_refused.labels("other", quota)
         self.snapshot: SchedulerStats | None = None
         self.admission: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        # Backend groups and the rollout, as the rollout watch last saw them (None: no groups).
+        self.rollout: RolloutView | None = None
         self.registry.register(_StateCollector(self))
 
     def init_lanes(self, lanes: list[str]) -> None:
@@ -187,6 +193,8 @@ class _StateCollector(Collector):
         admission.add_metric(["accepted"], accepted)
         admission.add_metric(["rejected"], rejected)
         yield admission
+        if self.metrics.rollout is not None:
+            yield from _groups(self.metrics.rollout)
         stats = self.metrics.snapshot
         if stats is None:
             return
@@ -207,6 +215,88 @@ class _StateCollector(Collector):
         for name in sorted(set(EVENTS) | set(counts)):
             events.add_metric([name], counts.get(name, 0))
         yield events
+
+
+PHASES = ("off", "canary", "hold", "done", "rolled_back")
+
+
+def _groups(view: RolloutView) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, value: Callable[[GroupView], float]) -> Metric:
+        family = GaugeMetricFamily(name, doc, labels=["group"])
+        for g in view.groups:
+            family.add_metric([g.group], value(g))
+        return family
+
+    yield gauge(
+        "scheduler_svc_group_share_percent",
+        "Percent of the rollout's current-group traffic each backend group takes now.",
+        lambda g: g.share,
+    )
+    yield gauge(
+        "scheduler_svc_group_ready", "1 while a group has a ready endpoint.", lambda g: g.ready
+    )
+    yield gauge(
+        "scheduler_svc_group_serving",
+        "1 while a group takes traffic or may at once (0: drained after a rollout).",
+        lambda g: g.serving,
+    )
+    yield gauge(
+        "scheduler_svc_group_in_flight", "Rows in flight on each group.", lambda g: g.in_flight
+    )
+    ended = CounterMetricFamily(
+        "scheduler_svc_group_requests",
+        "Rows each group ended, without error (ok) or with one (error).",
+        labels=["group", "outcome"],
+    )
+    window = GaugeMetricFamily(
+        "scheduler_svc_group_window",
+        "Over the rollout window: rows ended, of which with an error, and that attained the "
+        "SLO (first token within rollout.ttft_slo_s of reaching the group).",
+        labels=["group", "kind"],
+    )
+    for g in view.groups:
+        ended.add_metric([g.group, "ok"], g.ended_ok)
+        ended.add_metric([g.group, "error"], g.ended_error)
+        window.add_metric([g.group, "requests"], g.requests)
+        window.add_metric([g.group, "errors"], g.errors)
+        window.add_metric([g.group, "attained"], g.attained)
+    yield ended
+    yield window
+    if view.candidate is not None:
+        events = CounterMetricFamily(
+            "scheduler_svc_rollout_events",
+            "Rollout steps (operator or config), automatic rollbacks, and drains after the hold.",
+            labels=["kind"],
+        )
+        for kind, count in sorted(view.events.items()):
+            events.add_metric([kind], count)
+        yield events
+        phase = GaugeMetricFamily(
+            "scheduler_svc_rollout_phase", "1 for the rollout's present phase.", labels=["phase"]
+        )
+        for name in PHASES:
+            phase.add_metric([name], 1.0 if view.phase == name else 0.0)
+        yield phase
+        yield GaugeMetricFamily(
+            "scheduler_svc_rollout_hold_seconds",
+            "Seconds until the current group drains, while holding at 100 %.",
+            view.hold_left_s,
+        )
+    if view.gate_passed is not None:
+        yield GaugeMetricFamily(
+            "scheduler_svc_spec_gate_passed",
+            "1 while the latest speculative-decoding gate result passed (the gated lane goes "
+            "to the speculative group).",
+            1.0 if view.gate_passed else 0.0,
+        )
+        overlap = GaugeMetricFamily(
+            "scheduler_svc_spec_gate_overlap_ratio",
+            "The latest gate result's draft/target n-gram overlap, per n.",
+            labels=["n"],
+        )
+        for n, share in sorted(view.gate_overlap.items()):
+            overlap.add_metric([n], share)
+        yield overlap
 
 
 def _queue(stats: SchedulerStats) -> Iterator[Metric]:

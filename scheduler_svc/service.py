@@ -29,6 +29,7 @@ from scheduler_svc import auth
 from scheduler_svc.backends.base import DEFAULT_ENGINE_MODEL, GenerationInput
 from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
 from scheduler_svc.core.quota import Limits, TenantQuotas
+from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -108,6 +109,10 @@ class GenerationParams:
     return_log_probs: bool = False
     urgency: Urgency = Urgency.STANDARD
     tenant: str = ""
+    # A conversation's id: a rollout keeps every request of a session on one version.
+    session: str = ""
+    # The engine precision the client asks for (a value `routes` names, e.g. fp16 or awq).
+    precision: str = ""
     queue_timeout_s: float | None = None
     # Seconds left until the client's deadline, when it set one.
     time_remaining_s: float | None = None
@@ -173,6 +178,8 @@ class GenerationService:
         self.quotas = make_quotas(cfg.quotas)
         self._tokenize = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._metric_tenants: set[str] = set(cfg.quotas.tenants)
+        # The `precision` values a request may ask for (those the routes name).
+        self.precisions = frozenset(r.precision for r in cfg.routes if r.precision is not None)
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -224,6 +231,16 @@ class GenerationService:
         if len(params.tenant) > MAX_TENANT_CHARS:
             raise BadRequestError(
                 f"tenant: {len(params.tenant)} characters, at most {MAX_TENANT_CHARS}"
+            )
+        for name in ("session", "precision"):
+            if len(getattr(params, name)) > MAX_TENANT_CHARS:
+                raise BadRequestError(
+                    f"{name}: {len(getattr(params, name))} characters, at most {MAX_TENANT_CHARS}"
+                )
+        if params.precision and params.precision not in self.precisions:
+            known = ", ".join(sorted(self.precisions)) or "none (no route names a precision)"
+            raise BadRequestError(
+                f"precision: {clip(params.precision)!r} is not routed; known: {known}"
             )
         if params.prompt is not None:
             limit = self.cfg.model.prompt_bytes_limit
@@ -367,6 +384,12 @@ class GenerationService:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             return_log_probs=params.return_log_probs,
+            route=RouteClass(
+                request_id=run.internal_id,
+                tenant=tenant,
+                session=params.session,
+                precision=params.precision,
+            ),
         )
         # The server's own cap on a request's life, within the client's deadline if it set one.
         remaining = self.cfg.server.max_request_s

@@ -9,9 +9,11 @@ engine, whether buckets wait to fill) is derived from that one fact.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
+
+from scheduler_svc.core.routing import RouteClass
 
 
 class Batching(StrEnum):
@@ -64,6 +66,8 @@ class GenerationInput:
     timeout_s: float | None = None
     # Whether each generated id comes with its log probability (return_log_probs).
     return_log_probs: bool = False
+    # What routing to a backend group reads (tenant, session, precision; the lane at dispatch).
+    route: RouteClass = field(default_factory=RouteClass)
 
 
 @dataclass(frozen=True)

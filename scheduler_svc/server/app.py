@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ipaddress
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,15 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.auth import ANONYMOUS_CLIENT, LOCAL_ADMIN, NOBODY, Credentials
 from scheduler_svc.backends.base import Backend, EngineProfile
+from scheduler_svc.backends.groups import GroupedBackend, RolloutView, RolloutWatch
 from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.chat import ChatTemplate
-from scheduler_svc.config import SidecarConfig
+from scheduler_svc.config import BackendGroup, SidecarConfig, TritonConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.routing import DEFAULT_GROUP
 from scheduler_svc.core.types import Scheduler, Target
 from scheduler_svc.errors import ConfigError, RequestError, ShuttingDownError
 from scheduler_svc.loop import CoreLoop
@@ -80,10 +83,29 @@ def other_backends(cfg: SidecarConfig) -> dict[Target, Backend]:
     return out
 
 
+def primary_backend(cfg: SidecarConfig) -> Backend:
+    """The triton section's pool; with backend groups, every group behind one router."""
+    main = TritonPool(cfg.triton)
+    if not cfg.groups:
+        return main
+    pools: dict[str, Backend] = {DEFAULT_GROUP: main}
+    for name, group in cfg.groups.items():
+        triton = cfg.triton.model_copy(
+            update={
+                "url": group.url,
+                "metrics_url": group.metrics_url,
+                "replicas": group.replicas,
+                "engine_model": group.engine_model or cfg.triton.engine_model,
+            }
+        )
+        pools[name] = TritonPool(triton)
+    return GroupedBackend(pools, cfg.router(time.monotonic()))
+
+
 class Sidecar:
     def __init__(self, cfg: SidecarConfig, backend: Backend | None = None) -> None:
         self.cfg = cfg
-        self.backend = backend or TritonPool(cfg.triton)
+        self.backend = backend or primary_backend(cfg)
         self.others = other_backends(cfg)
         scheduler = make_scheduler(cfg)
         metrics = SidecarMetrics()
@@ -120,6 +142,10 @@ class Sidecar:
         self._admin_identity = Identity(None, NOBODY)
         self._watcher: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
+        self._rollout: asyncio.Task[None] | None = None
+        self.rollout_watch: RolloutWatch | None = None
+        if isinstance(self.backend, GroupedBackend):
+            self.rollout_watch = RolloutWatch(self.backend, cfg.spec_gate, self._publish_rollout)
 
     def _identities(self) -> tuple[Identity, Identity]:
         """How callers are identified on the client port and on the admin listener."""
@@ -257,8 +283,12 @@ class Sidecar:
                 server_cfg.host, server_cfg.http_port, self._http_tls
             )
         self._watcher = asyncio.create_task(self._watch_backend(), name="backend-health")
+        if self.rollout_watch is not None:
+            self.rollout_watch.step()  # the gate's result and the metrics before any request
+            self._rollout = asyncio.create_task(self.rollout_watch.run(), name="rollout")
         triton = self.cfg.triton
-        if triton.metrics_url or any(r.metrics_url for r in triton.replicas):
+        sections: list[TritonConfig | BackendGroup] = [triton, *self.cfg.groups.values()]
+        if any(t.metrics_url or any(r.metrics_url for r in t.replicas) for t in sections):
             self._poller = asyncio.create_task(
                 poll_kv(self.loop.observe_kv, self.backend.read_kv, triton.kv_poll_interval_s),
                 name="kv-poll",
@@ -383,6 +413,9 @@ class Sidecar:
             kv_blocks=profile.kv_total_blocks,
         )
 
+    def _publish_rollout(self, view: RolloutView) -> None:
+        self.loop.metrics.rollout = view
+
     async def _on_draining(self, draining: bool) -> None:
         await self._set_health(self.service.backend_ready and not draining)
 
@@ -435,7 +468,7 @@ class Sidecar:
                 await server.stop(answer_s)
         if self.http is not None:
             await self.http.close()
-        for task in (self._watcher, self._poller):
+        for task in (self._watcher, self._poller, self._rollout):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -49,6 +49,26 @@ def request_parameter(request: kv.ModelInferRequest, key: str) -> int | None:
     raise BadRequestError(f"parameter {key}: expected an integer, got {which}")
 
 
+# Request parameters that route a request among backend groups (docs/operations.md).
+ROUTE_PARAMETERS = ("session_id", "precision")
+
+
+def route_parameters(request: kv.ModelInferRequest) -> tuple[str, str]:
+    """(session, precision) from the request's `session_id` and `precision` parameters
+    (strings; "" where not given)."""
+    out = []
+    for key in ROUTE_PARAMETERS:
+        if key not in request.parameters:
+            out.append("")
+            continue
+        param = request.parameters[key]
+        which = param.WhichOneof("parameter_choice")
+        if which != "string_param":
+            raise BadRequestError(f"parameter {key}: expected a string, got {which}")
+        out.append(param.string_param)
+    return out[0], out[1]
+
+
 def triton_urgency(priority: int | None) -> Urgency:
     """Triton's priority: 1 is the most urgent level, 0 means the default."""
     if priority is None or priority == 0:

@@ -1,4 +1,5 @@
-"""What an operator may change while the sidecar runs: the policy, draining, Triton's models.
+"""What an operator may change while the sidecar runs: the policy, draining, Triton's models,
+the rollout's share.
 
 Policy changes are validated here (ValueError naming the field becomes INVALID_ARGUMENT) and
 applied by the core loop's owner task, so no request is lost or decided under a half-applied
@@ -8,6 +9,7 @@ policy. A config file reloaded on SIGHUP goes the same way.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import grpc
 import structlog
 
 from scheduler_svc.backends.base import Backend, EngineProfile
+from scheduler_svc.backends.groups import GroupedBackend, RolloutView, log_event
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import SidecarConfig, load_config
@@ -26,6 +29,7 @@ from scheduler_svc.errors import (
     BackendUnavailableError,
     BadRequestError,
     ConfigError,
+    PreconditionError,
     TritonCallError,
 )
 from scheduler_svc.loop import CoreLoop
@@ -97,8 +101,11 @@ class SidecarControls:
         self.loop = loop
         self.service = service
         self.backends = {Target.PRIMARY: primary, **others}
-        # Triton's model repository, where the primary is Triton (Admin passes calls through).
-        self.repository = primary if isinstance(primary, TritonPool) else None
+        # Triton's model repository, where the primary is Triton (Admin passes calls through):
+        # with backend groups, the main group's.
+        self.groups = primary if isinstance(primary, GroupedBackend) else None
+        main = self.groups.main if self.groups is not None else primary
+        self.repository = main if isinstance(main, TritonPool) else None
         self.on_draining = on_draining
         self.profile = profile  # the engine profile, once the sidecar has read it
 
@@ -152,8 +159,37 @@ class SidecarControls:
     async def backend_health(self) -> list[tuple[str, str, bool]]:
         out = []
         for target, backend in self.backends.items():
+            if isinstance(backend, GroupedBackend):
+                out += [
+                    (f"{target.value}:{group}", url, ready)
+                    for group, url, ready in await backend.group_health()
+                ]
+                continue
             out += [(target.value, url, ready) for url, ready in await backend.health()]
         return out
+
+    def _rollout(self) -> GroupedBackend:
+        if self.groups is None or self.groups.router.rollout.candidate is None:
+            raise PreconditionError("no rollout is configured (groups, rollout.candidate)")
+        return self.groups
+
+    async def rollout(self) -> RolloutView:
+        return self._rollout().view(time.monotonic())
+
+    async def set_rollout(self, weight: int | None, by: str) -> RolloutView:
+        """The candidate's new share (None: the next configured step), logged and counted."""
+        groups = self._rollout()
+        now = time.monotonic()
+        try:
+            if weight is None:
+                events = groups.router.advance(now)
+            else:
+                events = groups.router.set_weight(weight, now, f"set by {by}")
+        except ValueError as exc:
+            raise PreconditionError(f"rollout: {exc}") from None
+        for event in events:
+            log_event(groups.router, event)
+        return groups.view(now)
 
     def _tritons(self) -> list[TritonBackend]:
         if self.repository is None:

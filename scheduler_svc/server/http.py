@@ -336,6 +336,15 @@ class HttpFront:
         body = openai.parse(openai.ChatBody, await self._json(request))
         return await self._openai(request, body, chat=True)
 
+    def _routed(self, request: web.Request, params: GenerationParams) -> GenerationParams:
+        """The session and precision headers, where given (backend groups route by them)."""
+        cfg = self.cfg.http
+        session = request.headers.get(cfg.session_header, "")
+        precision = request.headers.get(cfg.precision_header, "")
+        if session or precision:
+            return replace(params, session=session or params.session, precision=precision)
+        return params
+
     async def _openai(
         self, request: web.Request, body: openai.CompletionBody | openai.ChatBody, chat: bool
     ) -> web.StreamResponse:
@@ -344,6 +353,7 @@ class HttpFront:
         params = openai.params_of(
             body, self.model, request_id, self._objective(request), tenant, self.chat
         )
+        params = self._routed(request, params)
         answer = openai.Answer(chat, request_id, self.model, self.service.tokenizer)
         usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -448,7 +458,7 @@ class HttpFront:
         params = params_from_inputs(values, self._request_id(request), priority, timeout_us, None)
         objective = self._objective(request)
         tenant = request.headers.get(self.cfg.http.tenant_header, "")
-        params = _with(params, objective, tenant)
+        params = self._routed(request, _with(params, objective, tenant))
         stream = bool(values.get("stream", False)) and streamed
 
         cum = [0.0]  # the log probabilities so far

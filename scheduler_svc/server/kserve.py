@@ -16,7 +16,7 @@ import contextlib
 import struct
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -45,6 +45,7 @@ from scheduler_svc.server.contract import (
     add_row_index,
     refuse_what_the_engine_cannot_do,
     request_parameter,
+    route_parameters,
     triton_urgency,
     typed_contents,
 )
@@ -185,13 +186,18 @@ def parse_infer_request(
             )
     timeout_us = request_parameter(request, "timeout")
     priority = request_parameter(request, "priority")
+    session, precision = route_parameters(request)
     params = [
-        params_from_inputs(
-            {name: column[r if len(column) > 1 else 0] for name, column in columns.items()},
-            request.id,
-            priority,
-            timeout_us,
-            time_remaining_s,
+        replace(
+            params_from_inputs(
+                {name: column[r if len(column) > 1 else 0] for name, column in columns.items()},
+                request.id,
+                priority,
+                timeout_us,
+                time_remaining_s,
+            ),
+            session=session,
+            precision=precision,
         )
         for r in range(rows)
     ]

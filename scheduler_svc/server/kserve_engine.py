@@ -27,6 +27,7 @@ from scheduler_svc.server.contract import (
     add_row_index,
     refuse_what_the_engine_cannot_do,
     request_parameter,
+    route_parameters,
     triton_urgency,
     typed_contents,
 )
@@ -148,6 +149,7 @@ def parse_engine_request(
 
     priority = request_parameter(request, "priority")
     timeout_us = request_parameter(request, "timeout")
+    session, precision = route_parameters(request)
     if timeout_us is not None and timeout_us < 0:
         raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
     out = []
@@ -195,6 +197,8 @@ def parse_engine_request(
                 urgency=triton_urgency(priority),
                 queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
                 time_remaining_s=time_remaining_s,
+                session=session,
+                precision=precision,
             )
         )
     return out, bool(value("streaming", 0) or False)

@@ -15,8 +15,10 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
+from scheduler_svc import auth
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.backends.groups import RolloutView
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError, InternalError
 from scheduler_svc.loop import CoreLoop
@@ -65,6 +67,8 @@ def to_params(request: pb.GenerateRequest, time_remaining_s: float | None) -> Ge
         stop=tuple(request.stop),
         urgency=_URGENCY[request.priority],
         tenant=request.tenant,
+        session=request.session_id,
+        precision=request.precision,
         return_log_probs=request.return_log_probs,
         time_remaining_s=time_remaining_s,
     )
@@ -219,6 +223,41 @@ class AdminFront(pb_grpc.AdminServicer):
         await self.controls.unload_model(_model_name(request.name))
         return pb.UnloadModelResponse()
 
+    async def GetRollout(self, request: pb.GetRolloutRequest, context: Context) -> pb.Rollout:
+        return rollout_message(await self.controls.rollout())
+
+    async def SetRollout(self, request: pb.SetRolloutRequest, context: Context) -> pb.Rollout:
+        which = request.WhichOneof("change")
+        if which is None:
+            raise BadRequestError("SetRollout: give weight (0..100) or advance")
+        weight = request.weight if which == "weight" else None
+        if which == "advance" and not request.advance:
+            raise BadRequestError("SetRollout: advance must be true")
+        by = auth.CURRENT.get().name
+        return rollout_message(await self.controls.set_rollout(weight, by))
+
+
+def rollout_message(view: RolloutView) -> pb.Rollout:
+    return pb.Rollout(
+        current=view.current,
+        candidate=view.candidate or "",
+        phase=view.phase,
+        weight=view.weight,
+        hold_left_s=view.hold_left_s,
+        groups=[
+            pb.GroupWindow(
+                group=g.group,
+                share=g.share,
+                requests=g.requests,
+                errors=g.errors,
+                attained=g.attained,
+                ready=g.ready,
+            )
+            for g in view.groups
+        ],
+        spec_gate_passed=bool(view.gate_passed),
+    )
+
 
 def _model_name(name: str) -> str:
     if not name:
@@ -242,3 +281,7 @@ class Controls(Protocol):
     async def load_model(self, name: str) -> None: ...
 
     async def unload_model(self, name: str) -> None: ...
+
+    async def rollout(self) -> RolloutView: ...
+
+    async def set_rollout(self, weight: int | None, by: str) -> RolloutView: ...
