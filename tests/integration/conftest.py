@@ -32,14 +32,21 @@ VARIANTS: dict[str, dict[str, str]] = {
     },
     "engine_queue": {"max_num_sequences": "1", "max_queue_size": "1"},
     "engine_eos": {"eos_model": "lognormal", "eos_mean_tokens": "12"},
+    # Backend groups: the CPU engine's twin (the same weights) and another version (new weights).
+    "engine_twin": {},
+    "engine_seed1": {},
+}
+# Lines appended to a variant's config (parameters the CPU engine's config leaves at default).
+VARIANT_EXTRA: dict[str, str] = {
+    "engine_seed1": 'parameters: { key: "model_seed" value: { string_value: "1" } }\n',
 }
 
 _started: list[TritonServer] = []
 
 
-def render_engine(dst_repo: Path, name: str, overrides: dict[str, str]) -> None:
+def render_engine(dst_repo: Path, name: str, overrides: dict[str, str], extra: str = "") -> None:
     """Copy the CPU engine model under a new name with some parameters changed."""
-    copy_engine_variant(CPU_REPO / "tensorrt_llm", dst_repo, name, overrides)
+    copy_engine_variant(CPU_REPO / "tensorrt_llm", dst_repo, name, overrides, extra)
 
 
 def _start(repo: Path, log_path: Path, extra_args: Sequence[str] = ()) -> TritonServer:
@@ -84,7 +91,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]
     """Engine variants (static batching, small pools, a tiny queue) in one more Triton."""
     repo = tmp_path_factory.mktemp("variants")
     for name, overrides in VARIANTS.items():
-        render_engine(repo, name, overrides)
+        render_engine(repo, name, overrides, VARIANT_EXTRA.get(name, ""))
     server = _start(repo, tmp_path_factory.mktemp("logs") / "triton-variants.log")
     yield server
     server.stop()

@@ -29,6 +29,7 @@ class SidecarProcess:
         self.port = 0
         self.admin_port: int | None = None
         self.http_port: int | None = None
+        self.metrics_port: int | None = None
         self._ready = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
@@ -73,6 +74,7 @@ class SidecarProcess:
                 self.port = int(event["port"])
                 self.admin_port = event.get("admin_port")
                 self.http_port = event.get("http_port")
+                self.metrics_port = event.get("metrics_port")
                 self._ready.set()
 
     @staticmethod
