@@ -20,6 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from scheduler_svc import modelrepo
 from scheduler_svc.config import load_config
+from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.core.types import KvStats, SchedulerStats
 from scheduler_svc.errors import ConfigError
 from scheduler_svc.metrics import SidecarMetrics
@@ -217,6 +218,29 @@ def test_compose_gpu_profile_reserves_a_gpu_and_pins_the_trtllm_image() -> None:
     assert versions()["TRTLLM_VERSION"] in gpu["image"]
 
 
+def test_compose_precision_profile_pairs_an_fp16_engine_with_the_awq_one() -> None:
+    services = compose("gpu-precision")["services"]
+    fp16, awq = services["triton-fp16"], services["triton-gpu"]
+    for triton in (fp16, awq):
+        devices = triton["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert fp16["networks"]["default"]["aliases"] == ["triton-fp16"]
+    repos = {v.split(":")[1]: Path(v.split(":")[0]).name for v in fp16["volumes"]}
+    assert repos["/models"] == "model_repo_trtllm_fp16"
+    sidecar = services["sidecar-precision"]
+    assert any("deploy/precision/sidecar.yaml" in v for v in sidecar["volumes"])
+    cfg = load_config(DEPLOY / "precision" / "sidecar.yaml")
+    assert cfg.groups["fp16"].url == "triton-fp16:8001"
+    router = cfg.router(0.0)
+    assert router.choose(RouteClass(lane="hot")) == "fp16"
+    assert router.choose(RouteClass(lane="warm")) == "main"
+    assert router.choose(RouteClass(lane="hot", precision="awq")) == "main"
+    assert router.choose(RouteClass(lane="cold", precision="fp16")) == "fp16"
+    # The same model and tokenizer settings as the single-engine stack.
+    gpu = load_config(K8S / "overlays" / "gpu" / "sidecar.yaml")
+    assert cfg.model == gpu.model
+
+
 def test_compose_refuses_to_run_without_the_pinned_versions() -> None:
     result = subprocess.run(
         ["docker-compose", "config"], cwd=ROOT, capture_output=True, text=True, check=False
@@ -358,7 +382,14 @@ def test_scripts_pass_bash_n_and_shellcheck(script: str) -> None:
 
 def test_build_script_quantizes_awq_and_builds_paged_16_token_blocks() -> None:
     text = (DEPLOY / "build_engine.sh").read_text()
-    assert "--qformat int4_awq" in text
+    # int4 AWQ by default; an unquantized FP16 engine too, or both (the precision pair).
+    assert '--qformat "${qformat}"' in text
+    assert 'awq) build int4_awq "${engine_dir}"' in text
+    assert 'fp16) build full_prec "${engine_dir}"' in text
+    assert (
+        'build int4_awq "${engine_dir}/awq"' in text
+        and 'build full_prec "${engine_dir}/fp16"' in text
+    )
     for flag in (
         "--kv_cache_type paged",  # not the deprecated --paged_kv_cache
         "--use_paged_context_fmha enable",
