@@ -94,8 +94,9 @@ class GroupedBackend:
         main group or any other serving group is."""
         names = self.serving()
         answers = await asyncio.gather(*(self.pools[n].ready() for n in names))
+        checked = dict(zip(names, answers, strict=True))
         for name in self.pools:
-            self.group_ready[name] = dict(zip(names, answers, strict=True)).get(name, False)
+            self.group_ready[name] = checked.get(name, False)
         return any(answers)
 
     async def health(self) -> list[tuple[str, bool]]:
