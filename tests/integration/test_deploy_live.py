@@ -27,11 +27,16 @@ def observed(
     triton: TritonServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[SidecarProcess, str]]:
     port = free_port()
-    process = SidecarProcess(
-        triton.grpc_url,
-        tmp_path_factory.mktemp("sidecar-metrics"),
-        {"server": {"metrics_port": port}},
-    ).start()
+    workdir = tmp_path_factory.mktemp("sidecar-metrics")
+    # Backend groups too (a second group on the same Triton, at 0 %; a gate with no result
+    # yet), so the rollout's and the gate's metrics are on the page the alerts read.
+    config = {
+        "server": {"metrics_port": port},
+        "groups": {"next": {"url": triton.grpc_url}},
+        "rollout": {"candidate": "next", "weight": 0},
+        "spec_gate": {"group": "next", "result_file": str(workdir / "no-gate-result.json")},
+    }
+    process = SidecarProcess(triton.grpc_url, workdir, config).start()
     yield process, f"http://127.0.0.1:{port}/metrics"
     process.stop()
 

@@ -117,7 +117,12 @@ def test_prometheus_sees_the_traffic_that_was_sent(
     assert padding_count == batches  # one padding observation per released batch
     # The alert rules load and evaluate without errors in a real Prometheus.
     groups = api(base, "rules")["groups"]
-    assert {g["name"] for g in groups} == {"scheduler-svc", "scheduler-svc-policy", "triton"}
+    assert {g["name"] for g in groups} == {
+        "scheduler-svc",
+        "scheduler-svc-policy",
+        "scheduler-svc-rollout",
+        "triton",
+    }
     assert all(rule["health"] in ("ok", "unknown") for g in groups for rule in g["rules"])
     deadline = time.monotonic() + 20
     while any(r["health"] == "unknown" for g in api(base, "rules")["groups"] for r in g["rules"]):
