@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core simulate sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -98,6 +98,10 @@ bench-core: $(GEN)
 # The source document's scenarios on the A100 cost model: table + results/simulate.json.
 simulate: $(GEN)
 	$(BIN)/scheduler-svc simulate
+
+# Issue 15's KV pressure on the A100 model (both KV policies; ~5 min): results/simulate-kv.json.
+simulate-kv: $(GEN)
+	$(BIN)/scheduler-svc simulate --kv
 
 # Regenerate the stored simulator summaries after an intended policy change.
 sim-golden: $(GEN)

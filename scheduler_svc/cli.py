@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -250,17 +251,19 @@ def _chaos(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from scheduler_svc.sim import suite  # noqa: PLC0415 - only this command needs it
-    from scheduler_svc.sim.report import table  # noqa: PLC0415
+    from scheduler_svc.sim.report import kv_table, table  # noqa: PLC0415
 
     if args.write_golden:
         result = suite.run_suite(suite.GOLDEN)
         GOLDEN_PATH.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
         print(f"wrote {GOLDEN_PATH} ({len(result['runs'])} runs)")
         return 0
-    params = suite.SuiteParams(
-        scenarios=tuple(args.scenario or suite.SuiteParams.scenarios),
-        engines=tuple(args.engine or suite.SuiteParams.engines),
-        targets=tuple(args.target or suite.SuiteParams.targets),
+    base = suite.KV_PROJECTION if args.kv else suite.SuiteParams()
+    params = dataclasses.replace(
+        base,
+        scenarios=tuple(args.scenario or base.scenarios),
+        engines=tuple(args.engine or base.engines),
+        targets=tuple(args.target or base.targets),
         seed=args.seed,
         duration_scale=args.duration_scale,
         slo_search=not args.no_slo_search,
@@ -274,7 +277,14 @@ def _simulate(args: argparse.Namespace) -> int:
     print(table(result["runs"]))
     for field in ("goodput_rps", "qps_at_slo"):
         print(f"policy / fifo, {field}: {suite.ratios(result['runs'], field)}")
-    out = Path(args.json)
+    if params.slo_search and "inflight_noevict" in params.engines:
+        print("\nQPS at the SLO: P99 time to first token within each lane's bound")
+        print(kv_table(result["runs"]))
+        if params.tpot_slo_s is not None:
+            bound = f"{params.tpot_slo_s * 1000:.0f} ms"
+            print(f"\nQPS at the SLO: the same, and P99 time per output token within {bound}")
+            print(kv_table(result["runs"], "_tpot"))
+    out = Path(args.json or ("results/simulate-kv.json" if args.kv else "results/simulate.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"all figures: {out}")
@@ -513,7 +523,17 @@ def _add_tool_commands(commands: Any) -> None:
         "simulate", help="replay the source document's scenarios (A100 model)"
     )
     sim.add_argument("--scenario", action="append", help="a scenario (repeat; default: all)")
-    sim.add_argument("--engine", action="append", choices=["inflight", "static"])
+    sim.add_argument(
+        "--engine",
+        action="append",
+        choices=["inflight", "inflight_noevict", "static"],
+        help="inflight: max_utilization KV; inflight_noevict: guaranteed_no_evict; static: V1",
+    )
+    sim.add_argument(
+        "--kv",
+        action="store_true",
+        help="the KV-pressure projection (issue 15): kv scenarios, both KV policies, 256 sequences",
+    )
     sim.add_argument("--target", action="append", choices=["fifo", "priority", "policy"])
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument(
@@ -526,7 +546,9 @@ def _add_tool_commands(commands: Any) -> None:
         help="engine and mirror KV allocation; contiguous is the source document's 'before'",
     )
     sim.add_argument("--no-slo-search", action="store_true", help="skip the QPS-at-SLO bisection")
-    sim.add_argument("--json", default="results/simulate.json", help="where the figures go")
+    sim.add_argument(
+        "--json", help="where the figures go (results/simulate.json, or simulate-kv.json)"
+    )
     sim.add_argument(
         "--write-golden", action="store_true", help="regenerate tests/data/sim_golden.json"
     )

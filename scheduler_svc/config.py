@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.core import config as core_config
-from scheduler_svc.core.config import KvConfig, PolicyConfig
+from scheduler_svc.core.config import MEDIAN_FOR_ALLOCATING_ENGINES, KvConfig, PolicyConfig
 from scheduler_svc.core.routing import (
     DEFAULT_GROUP,
     RolloutConfig,
@@ -26,10 +26,6 @@ from scheduler_svc.core.routing import (
     SpecGateConfig,
 )
 from scheduler_svc.errors import ConfigError
-
-# The output quantile reserved in front of an engine that allocates KV as tokens come
-# (max_utilization), unless `policy.predict.quantile` says otherwise.
-MEDIAN_FOR_ALLOCATING_ENGINES = 0.5
 
 
 class _Frozen(BaseModel):

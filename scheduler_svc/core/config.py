@@ -159,6 +159,12 @@ class KvConfig:
         _check(0 <= self.reserve_fraction <= 0.5, "kv.reserve_fraction", "must be in [0, 0.5]")
 
 
+# The output quantile reserved in front of an engine that allocates KV as tokens come
+# (TensorRT-LLM's max_utilization), where the config does not choose one: many rows' outputs sum
+# close to their medians, the reserve absorbs the spread and a row that outruns grows.
+MEDIAN_FOR_ALLOCATING_ENGINES = 0.5
+
+
 @dataclass(frozen=True)
 class PredictConfig:
     """Online prediction of how much of max_tokens a request really uses."""

@@ -3,10 +3,12 @@
 In-flight: every step admits waiting sequences in arrival order while the sequence limit and the
 KV pool allow, prefills up to `max_num_tokens` prompt tokens (chunked context, split between
 prompts by the cost model's `context_chunking_policy`, the reference engine's rule), and
-decodes one token for every running sequence. KV blocks are taken as tokens arrive (paged) or
-for the whole maximum sequence length at admission (contiguous); when a decoding sequence needs
-a block and none is free, the newest running sequence is paused and later recomputed
-(max_utilization).
+decodes one token for every running sequence. KV blocks are taken as TensorRT-LLM's
+`batch_scheduler_policy` takes them: as tokens arrive (`max_utilization`, paged: when a decoding
+sequence needs a block and none is free, the newest running sequence is paused and later
+recomputed from its prompt and what it had generated), for prompt + max_tokens at admission
+(`guaranteed_no_evict`: nothing is ever paused), or for the whole maximum sequence length at
+admission (contiguous, the source document's "before").
 Static: one batch at a time; every row is padded to the batch's longest prompt and the batch
 decodes until its longest output is done.
 
@@ -30,6 +32,7 @@ class Sequence:
     request_id: str
     prompt_tokens: int
     output_tokens: int  # what it will really generate
+    max_tokens: int = 0  # what the client allowed (guaranteed_no_evict reserves it); 0: output
     batch_id: int = 0  # the sidecar's batch (static engines run it as one unit); 0: none
     generated: int = 0
     prefilled: int = 0
@@ -60,6 +63,9 @@ class EngineTotals:
     paused: int = 0
     slots_allocated: int = 0  # sum over steps of allocated token slots
     slots_used: int = 0
+    blocks_held: int = 0  # sum over steps of KV blocks held by running sequences
+    pool_blocks: int = 0  # the KV pool's size (in-flight engines)
+    row_limit: int = 0  # the most rows a step runs (max_num_seqs, or a static batch's size)
 
 
 class _Engine:
@@ -69,7 +75,7 @@ class _Engine:
         self.cost = cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.totals = EngineTotals()
+        self.totals = EngineTotals(row_limit=cost.max_num_seqs)
 
     def enqueue(self, seq: Sequence) -> bool:
         """False when the engine's own queue is full (the request is refused)."""
@@ -85,11 +91,15 @@ class _Engine:
 class InflightEngine(_Engine):
     """Continuous batching over a finite paged KV pool."""
 
-    def __init__(self, cost: CostModel, contiguous: bool = False) -> None:
+    def __init__(
+        self, cost: CostModel, contiguous: bool = False, reserve_max_tokens: bool = False
+    ) -> None:
         super().__init__(cost)
         self.contiguous = contiguous
+        self.reserve_max_tokens = reserve_max_tokens  # guaranteed_no_evict
         self.total_blocks = cost.total_blocks
         self.free_blocks = self.total_blocks
+        self.totals.pool_blocks = self.total_blocks
         self._admissions = 0
 
     def blocks_for(self, tokens: int) -> int:
@@ -98,7 +108,12 @@ class InflightEngine(_Engine):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cost.max_num_seqs:
             seq = self.waiting[0]
-            tokens = self.cost.max_seq_len if self.contiguous else seq.context + 1
+            if self.contiguous:
+                tokens = self.cost.max_seq_len
+            elif self.reserve_max_tokens:
+                tokens = seq.prompt_tokens + max(seq.max_tokens, seq.output_tokens)
+            else:
+                tokens = seq.context + 1
             need = self.blocks_for(tokens)
             if need > self.free_blocks:
                 return
@@ -165,6 +180,7 @@ class InflightEngine(_Engine):
         t.rows += len(self.running)
         t.slots_allocated += sum(s.blocks for s in self.running) * self.cost.tokens_per_block
         t.slots_used += context
+        t.blocks_held += self.total_blocks - self.free_blocks
 
 
 class StaticEngine(_Engine):
@@ -173,6 +189,7 @@ class StaticEngine(_Engine):
     def __init__(self, cost: CostModel, max_batch: int = 64) -> None:
         super().__init__(cost)
         self.max_batch = max_batch
+        self.totals.row_limit = max_batch
         self._padded_len = 0
 
     def _next_batch(self) -> None:

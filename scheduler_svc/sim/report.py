@@ -1,7 +1,8 @@
 """Summaries of simulated runs: the figures of the source document's table, and QPS at an SLO.
 
 A run meets the SLO when at least `SLO_ATTAINMENT` of its requests were served with a time to
-first token within their lane's bound (`runner.LANE_SLO_TTFT_S`); "QPS at SLO" is the highest
+first token within their lane's bound (`runner.LANE_SLO_TTFT_S`) and, where the run asks for it
+(the KV projection), a time per output token within a bound; "QPS at SLO" is the highest
 offered rate, found by bisection over seeded runs, that still meets it.
 """
 
@@ -45,26 +46,28 @@ def summarize(run: RunResult) -> dict[str, Any]:
         mine = [o for o in outcomes if o.lane == lane]
         ttft = [o.ttft_s for o in mine if o.state == "served" and o.ttft_s is not None]
         e2e = [o.e2e_s for o in mine if o.state == "served" and o.e2e_s is not None]
+        tpot = [o.tpot_s for o in mine if o.state == "served" and o.tpot_s is not None]
         if mine:
             lanes[lane] = {
                 "requests": len(mine),
                 "ttft_p50_ms": _ms(percentile(ttft, 50)),
                 "ttft_p99_ms": _ms(percentile(ttft, 99)),
                 "e2e_p99_ms": _ms(percentile(e2e, 99)),
+                "tpot_p99_ms": _ms(percentile(tpot, 99)),
                 "within_slo": round(sum(o.within_slo() for o in mine) / len(mine), 4),
             }
     totals = run.engine_totals
     # Padding: what the engine padded (static), else the sidecar's batches (in-flight engines
     # do not pad, but the batches show the bucketing). Utilization: the sidecar's batches over
-    # their lane's max batch where there are any, else the engine's rows over its 64.
+    # their lane's max batch where there are any, else the engine's rows over its row limit.
     padding: float | None = _mean(run.batch_padding)
     if run.engine == "static" and totals.padded_prompt_tokens:
         padding = 1 - totals.prompt_tokens / totals.padded_prompt_tokens
     utilization: float | None = _mean(run.batch_utilization)
     if utilization is None and run.engine == "static" and totals.batches:
-        utilization = totals.batch_rows / (totals.batches * 64)
+        utilization = totals.batch_rows / (totals.batches * totals.row_limit)
     elif utilization is None and totals.steps:
-        utilization = totals.rows / (totals.steps * 64)
+        utilization = totals.rows / (totals.steps * totals.row_limit)
     span = max(run.duration_s, 1e-9)
     return {
         "scenario": run.scenario,
@@ -85,15 +88,24 @@ def summarize(run: RunResult) -> dict[str, Any]:
             if totals.slots_allocated
             else None
         ),
+        "kv_utilization": (
+            round(totals.blocks_held / (totals.steps * totals.pool_blocks), 4)
+            if totals.pool_blocks and totals.steps
+            else None
+        ),
+        "rows_per_step": round(totals.rows / totals.steps, 1) if totals.steps else None,
         "paused": totals.paused,
         "lanes": lanes,
         "counters": dict(sorted(run.counters.items())),
     }
 
 
-def meets_slo(run: RunResult) -> bool:
+def meets_slo(run: RunResult, tpot_bound_s: float | None = None) -> bool:
+    """At least SLO_ATTAINMENT of the run's requests within their lane's TTFT bound (and the
+    time-per-output-token bound, where one is given)."""
     n = len(run.outcomes)
-    return n > 0 and sum(o.within_slo() for o in run.outcomes) / n >= SLO_ATTAINMENT
+    good = sum(o.within_slo(tpot_bound_s) for o in run.outcomes)
+    return n > 0 and good / n >= SLO_ATTAINMENT
 
 
 class RateSearch:
@@ -140,13 +152,6 @@ def highest_rate(
     return search
 
 
-def qps_at_slo(
-    run_at: Callable[[float], RunResult], lo: float, hi: float, iterations: int = 7
-) -> float:
-    """The highest rate in [lo, hi] (to the bisection's resolution) whose run meets the SLO."""
-    return round(highest_rate(lambda qps: meets_slo(run_at(qps)), lo, hi, iterations).rate, 1)
-
-
 def _cell(value: Any, unit: str = "") -> str:
     if value is None:
         return "—"
@@ -186,3 +191,44 @@ def table(rows: list[dict[str, Any]]) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def kv_table(rows: list[dict[str, Any]], suffix: str = "") -> str:
+    """Issue 15's table: QPS at the SLO (`qps_at_slo` + `suffix`) per (scenario, engine,
+    target), over Triton alone on guaranteed_no_evict and on the same engine, with pauses and
+    KV use in the run at that rate."""
+    field = f"qps_at_slo{suffix}"
+    qps = {(r["scenario"], r["engine"], r["target"]): r.get(field) for r in rows}
+    lines = [
+        "| scenario | engine | target | QPS at SLO | ÷ Triton alone, no_evict | "
+        "÷ Triton alone, same engine | pauses there (per request) | KV blocks in use | "
+        "rows per step |",
+        "|" + "---|" * 9,
+    ]
+    for r in rows:
+        at = r.get(f"at_slo{suffix}") or {}
+        rate = r.get(field)
+        paused = at.get("paused")
+        per_request = None if paused is None else f"{paused} ({paused / at['requests']:.1%})"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["scenario"],
+                    r["engine"],
+                    r["target"],
+                    _cell(rate),
+                    _ratio(rate, qps.get((r["scenario"], "inflight_noevict", "fifo"))),
+                    _ratio(rate, qps.get((r["scenario"], r["engine"], "fifo"))),
+                    _cell(per_request),
+                    _cell(at.get("kv_utilization"), "%"),
+                    _cell(at.get("rows_per_step")),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}×" if value and base else "—"

@@ -19,7 +19,13 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
-from scheduler_svc.core.config import KvConfig, KvMode, PolicyConfig
+from scheduler_svc.core.config import (
+    MEDIAN_FOR_ALLOCATING_ENGINES,
+    KvConfig,
+    KvMode,
+    PolicyConfig,
+    PredictConfig,
+)
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Dispatch, Expired, Rejected, Request, Scheduler, Urgency
@@ -34,11 +40,14 @@ from scheduler_svc.sim.engine import (
 from scheduler_svc.sim.workload import Scenario, SimRequest, generate
 
 TARGETS = ("fifo", "priority", "policy")
-ENGINES = ("inflight", "static")
+# In-flight on max_utilization (KV as tokens come, pauses when dry), in-flight on
+# guaranteed_no_evict (prompt + max_tokens reserved at admission), static (V1).
+ENGINES = ("inflight", "inflight_noevict", "static")
 LANE_SLO_TTFT_S = {"hot": 0.3, "warm": 1.0, "cold": 4.0}
 # Triton queue policy a careful user would set per priority level (seconds in queue).
 PRIORITY_TIMEOUT_S = {0: 0.5, 1: 2.0, 2: 10.0}
 DRAIN_S = 120.0
+WARMUP_SEED = 1000  # warm-up requests come from seed + this: the same mix, other draws
 # The Triton-with-priority target on a static engine: about one batch's rows in flight at once.
 STATIC_ROWS_IN_FLIGHT = 16
 
@@ -64,9 +73,22 @@ class Outcome:
     def e2e_s(self) -> float | None:
         return None if self.done_s is None else self.done_s - self.request.arrival_s
 
-    def within_slo(self) -> bool:
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None for one-token answers)."""
+        first, done, tokens = self.first_token_s, self.done_s, self.request.output_tokens
+        if first is None or done is None or tokens < 2:
+            return None
+        return (done - first) / (tokens - 1)
+
+    def within_slo(self, tpot_bound_s: float | None = None) -> bool:
+        """Served with a first token within its lane's bound and, where a bound on time per
+        output token is given, streamed at least that fast."""
         ttft = self.ttft_s
-        return self.state == "served" and ttft is not None and ttft <= LANE_SLO_TTFT_S[self.lane]
+        if self.state != "served" or ttft is None or ttft > LANE_SLO_TTFT_S[self.lane]:
+            return False
+        tpot = self.tpot_s
+        return tpot_bound_s is None or tpot is None or tpot <= tpot_bound_s
 
 
 @dataclass
@@ -91,27 +113,44 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
         rows = cost.max_num_seqs if engine == "inflight" else STATIC_ROWS_IN_FLIGHT
         return FifoScheduler(max_queued=cost.max_queue_size, max_in_flight=rows)
     if target == "policy":
+        # The sidecar's rule for an engine profile (SidecarConfig.policy_for): an in-flight
+        # engine batches continuously; a static one runs one batch at a time, so exactly one
+        # released batch is in it. Lane shares bound an in-flight engine's unprefilled prompt
+        # tokens within two of its steps. The mirror reserves as the engine allocates:
+        # prompt + max_tokens under guaranteed_no_evict, the median predicted output under
+        # max_utilization.
+        inflight = engine != "static"
+        no_evict = engine == "inflight_noevict"
         kv = KvConfig(
             mode=kv_mode,
             tokens_per_block=cost.tokens_per_block,
             total_blocks=cost.total_blocks,
             max_seq_len=cost.max_seq_len,
             max_in_flight=cost.max_num_seqs,
+            reserve_max_tokens=no_evict,
         )
-        # The sidecar's rule for an engine profile: an in-flight engine batches continuously;
-        # a static one runs one batch at a time, so exactly one released batch is in it.
-        # With lane shares bounding an in-flight engine's unprefilled prompt tokens within two
-        # of its steps.
-        inflight = engine == "inflight"
+        predict = PredictConfig()
+        if engine == "inflight" and kv_mode is KvMode.PAGED:
+            predict = PredictConfig(quantile=MEDIAN_FOR_ALLOCATING_ENGINES)
         return PolicyScheduler(
             PolicyConfig(
                 kv=kv,
+                predict=predict,
                 continuous_batching=inflight,
                 max_batches_in_flight=None if inflight else 1,
                 prefill_budget_tokens=2 * cost.max_num_tokens if inflight else None,
             )
         )
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
+
+
+def learn_outputs(sched: PolicyScheduler, served: list[SimRequest]) -> None:
+    """What a deployed sidecar has learnt: the output lengths of requests it served before
+    (the live bench's warm-up does the same with real requests)."""
+    for r in served:
+        request = Request(r.request_id, r.prompt_tokens, r.max_tokens, Urgency(r.urgency), r.tenant)
+        lane = sched.classify(request)
+        sched.predictor.observe(r.tenant, lane, r.max_tokens, r.output_tokens)
 
 
 class _Run:
@@ -124,15 +163,22 @@ class _Run:
         qps: float | None,
         cost: CostModel,
         kv_mode: KvMode,
+        warmup: int = 0,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
         self.requests = generate(scenario, seed, qps)
         self.sched = make_scheduler(target, engine, cost, kv_mode)
+        if isinstance(self.sched, PolicyScheduler) and warmup:
+            learn_outputs(self.sched, generate(scenario, seed + WARMUP_SEED)[:warmup])
         self.engine: InflightEngine | StaticEngine = (
-            InflightEngine(cost, contiguous=kv_mode is KvMode.CONTIGUOUS)
-            if engine == "inflight"
-            else StaticEngine(cost)
+            StaticEngine(cost)
+            if engine == "static"
+            else InflightEngine(
+                cost,
+                contiguous=kv_mode is KvMode.CONTIGUOUS,
+                reserve_max_tokens=engine == "inflight_noevict",
+            )
         )
         self.result = RunResult(
             scenario.name,
@@ -193,7 +239,7 @@ class _Run:
 
     def send(self, outcome: Outcome, batch_id: int) -> None:
         r = outcome.request
-        seq = Sequence(r.request_id, r.prompt_tokens, r.output_tokens, batch_id)
+        seq = Sequence(r.request_id, r.prompt_tokens, r.output_tokens, r.max_tokens, batch_id)
         if self.engine.enqueue(seq):
             self.seqs[r.request_id] = seq
         else:
@@ -251,9 +297,11 @@ def simulate(
     qps: float | None = None,
     cost: CostModel = A100_AWQ_8B,
     kv_mode: KvMode = KvMode.PAGED,
+    warmup: int = 0,
 ) -> RunResult:
-    """One seeded run of `scenario` against `target` on `engine`."""
-    return _Run(scenario, target, engine, seed, qps, cost, kv_mode).run()
+    """One seeded run of `scenario` against `target` on `engine`; the policy first learns the
+    output lengths of `warmup` earlier requests of the same mix."""
+    return _Run(scenario, target, engine, seed, qps, cost, kv_mode, warmup).run()
 
 
 def with_duration(scenario: Scenario, duration_s: float) -> Scenario:

@@ -25,6 +25,7 @@ class RequestClass:
     max_tokens: int
     urgency: int  # the client's priority hint: 0 interactive, 1 standard, 2 batch
     spread: float = 0.5  # sigma of the log-normal prompt length
+    output_spread: float = 0.6  # sigma of the log-normal output length
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,34 @@ SCENARIOS: dict[str, Scenario] = {
             30.0,
             (RequestClass(1.0, 180, 64, 512, 96, 256, 1, spread=0.7),),
         ),
+        # KV pressure (issue 15): generous max_tokens, real outputs far shorter (log-normal,
+        # sigma 0.8, as the reference engine's synthetic end of sequence).
+        Scenario(
+            "kv_chat",
+            "chat, max_tokens 4,096, outputs ~250 tokens",
+            40.0,
+            30.0,
+            (RequestClass(1.0, 128, 16, 255, 250, 4096, 0, output_spread=0.8),),
+        ),
+        Scenario(
+            "kv_long",
+            "long prompts (~2,000 tokens), max_tokens 4,096, outputs ~400 tokens",
+            8.0,
+            40.0,
+            (RequestClass(1.0, 2000, 1024, 4000, 400, 4096, 2, 0.35, output_spread=0.8),),
+        ),
+        Scenario(
+            "kv_gen",
+            "long generations (~1,200 tokens, as reports or reasoning), max_tokens 4,096",
+            2.0,
+            400.0,
+            (RequestClass(1.0, 1000, 250, 3000, 1200, 4096, 1, output_spread=0.8),),
+        ),
     )
 }
+# The source document's scenarios (what `scheduler-svc simulate` runs by default).
+DOCUMENT_SCENARIOS = ("chat", "mixed", "long_docs", "burst", "spread_8to1")
+KV_SCENARIOS = ("kv_chat", "kv_long", "kv_gen")
 
 
 def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
@@ -105,7 +132,7 @@ def generate(scenario: Scenario, seed: int, qps: float | None = None) -> list[Si
             return out
         cls = rng.choices(scenario.classes, weights)[0]
         prompt = _lognormal(rng, cls.prompt_mean, cls.spread, cls.prompt_min, cls.prompt_max)
-        output = _lognormal(rng, cls.output_mean, 0.6, 1, cls.max_tokens)
+        output = _lognormal(rng, cls.output_mean, cls.output_spread, 1, cls.max_tokens)
         out.append(
             SimRequest(
                 f"r{len(out)}",

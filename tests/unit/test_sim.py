@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from scheduler_svc.sim.report import highest_rate, percentile, summarize
-from scheduler_svc.sim.runner import simulate, with_duration
+import pytest
+
+from scheduler_svc.core.config import KvMode
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.sim.costmodel import A100_AWQ_8B
+from scheduler_svc.sim.engine import InflightEngine, Sequence
+from scheduler_svc.sim.report import highest_rate, meets_slo, percentile, summarize
+from scheduler_svc.sim.runner import learn_outputs, make_scheduler, simulate, with_duration
 from scheduler_svc.sim.suite import GOLDEN, run_suite
 from scheduler_svc.sim.workload import SCENARIOS, generate
 
@@ -87,3 +94,63 @@ def test_the_rate_search_bisects_to_the_highest_rate_that_meets_the_target() -> 
     assert search.tried[0] == (1.0, True) and len(search.tried) == 7
     assert all(met == (rate <= 7.3) for rate, met in search.tried)
     assert highest_rate(lambda rate: False, lo=1.0, hi=2.0).rate == 0.0
+
+
+def test_guaranteed_no_evict_reserves_max_tokens_and_never_pauses() -> None:
+    """The engine's two KV policies on the same arrivals: guaranteed_no_evict holds prompt +
+    max_tokens from admission (so runs fewer rows and never pauses); max_utilization takes
+    blocks as tokens come and pauses the newest row when the pool runs dry."""
+    cost = replace(A100_AWQ_8B, max_num_seqs=256, kv_pool_bytes=1200 * 16 * 128 * 1024)
+    requests = generate(with_duration(SCENARIOS["kv_chat"], 4.0), 0, 40.0)
+    engines = {
+        "noevict": InflightEngine(cost, reserve_max_tokens=True),
+        "maxutil": InflightEngine(cost),
+    }
+    peak_rows = {}
+    for name, engine in engines.items():
+        for r in requests:
+            engine.enqueue(Sequence(r.request_id, r.prompt_tokens, r.output_tokens, r.max_tokens))
+        peak = 0
+        while engine.busy():
+            engine.step()
+            held = sum(s.blocks for s in engine.running)
+            assert held + engine.free_blocks == engine.total_blocks
+            if name == "noevict":
+                for s in engine.running:
+                    assert s.blocks == engine.blocks_for(s.prompt_tokens + s.max_tokens)
+            peak = max(peak, len(engine.running))
+        peak_rows[name] = peak
+    assert engines["noevict"].totals.paused == 0
+    assert engines["maxutil"].totals.paused > 0  # 151 chats at once on 1,200 blocks
+    # 1,200 blocks / 264 a row (128 + 4,096 tokens) = 4 rows; max_utilization runs many more.
+    assert peak_rows["noevict"] <= 1200 // 264 < peak_rows["maxutil"]
+
+
+def test_the_policy_mirrors_each_engine_kv_policy_and_learns_before_the_run() -> None:
+    cost = A100_AWQ_8B
+    noevict = make_scheduler("policy", "inflight_noevict", cost, KvMode.PAGED)
+    maxutil = make_scheduler("policy", "inflight", cost, KvMode.PAGED)
+    assert isinstance(noevict, PolicyScheduler) and isinstance(maxutil, PolicyScheduler)
+    assert noevict.config.kv.reserve_max_tokens and not maxutil.config.kv.reserve_max_tokens
+    assert maxutil.config.predict.quantile == 0.5 and noevict.config.predict.quantile == 0.9
+    served = generate(SCENARIOS["kv_chat"], 1)[:64]
+    assert maxutil.predictor.predict("t0", "hot", 4096) == 4096  # nothing learnt yet
+    learn_outputs(maxutil, served)
+    learnt = maxutil.predictor.predict("t0", "hot", 4096)
+    outputs = sorted(r.output_tokens for r in served)
+    assert learnt < 4096 and outputs[len(outputs) // 4] <= learnt <= outputs[-len(outputs) // 4]
+
+
+def test_time_per_output_token_bounds_the_slo_where_asked() -> None:
+    run = simulate(with_duration(SCENARIOS["kv_chat"], 4.0), "fifo", "inflight", seed=2, qps=5.0)
+    served = [o for o in run.outcomes if o.state == "served" and o.request.output_tokens > 1]
+    assert served
+    for o in served:
+        assert o.tpot_s is not None and o.done_s is not None and o.first_token_s is not None
+        assert o.tpot_s * (o.request.output_tokens - 1) == pytest.approx(o.done_s - o.first_token_s)
+    fastest = min(o.tpot_s or 0.0 for o in served)
+    assert all(o.within_slo() == o.within_slo(1.0) for o in run.outcomes)  # a loose bound
+    assert not any(o.within_slo(fastest / 2) for o in served)  # a bound nobody meets
+    assert meets_slo(run) and not meets_slo(run, fastest / 2)
+    summary = summarize(run)
+    assert summary["lanes"]["hot"]["tpot_p99_ms"] >= fastest * 1000
