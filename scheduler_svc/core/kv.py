@@ -2,21 +2,34 @@
 
 A dispatched request reserves blocks for its prompt plus its predicted output (paged mode) or for
 the model's maximum sequence length (contiguous mode, the source document's "before"). The
-backend's own counts (`observe`) reconcile the mirror: blocks the backend uses beyond our
-reservations are "external" (another client, or the backend's own overhead) and are not offered
+backend's own counts (`observe`) reconcile the mirror: blocks the backend uses beyond what our
+requests hold are "external" (another client, or the backend's own overhead) and are not offered
 for admission.
 
-Invariants (checked by tests/unit/test_kv.py's state machine):
-- reserved + external + free == total + overcommit, where overcommit > 0 only if the backend
-  reported a pool smaller than what is already reserved, and then free == 0;
-- every count is >= 0; a request holds at most one reservation; releasing twice frees nothing;
-- growing a reservation never takes more than is free (the rest is a recorded shortfall).
+Two ways of reading reservations:
+- **Claims** (contiguous mode, or an engine that reserves prompt + max_tokens at admission,
+  TensorRT-LLM's `guaranteed_no_evict`, or a static engine that frees a batch's blocks only when
+  the whole batch ends): the engine holds every reservation's blocks from admission, so new
+  ones must fit the blocks left free.
+- **Forecasts** (`forecast`: paged KV on an in-flight engine that allocates as tokens come,
+  `max_utilization`): a reservation is the size its request is predicted to reach. Rows grow one
+  token a step and free everything when they end, so the pool's forecast peak is
+  max over k of the blocks held by the rows still running when row k ends, each at its size
+  then (`peak_blocks`), which is below the sum of the sizes whenever rows end at different
+  times. Summing the final sizes instead would hold back work the engine could run.
 
-Admission (`room`): a new reservation takes at most the free blocks less the reserve
-(`reserve_fraction` of the pool, paged mode) while others hold blocks, and nothing while a
-reservation is owed blocks it outgrew into: the mirror then forecasts a pool that runs dry
-before the running requests end, and an engine that allocates as tokens come
-(`max_utilization`) would pause one of them. With nothing held, the whole pool.
+Invariants (checked by tests/unit/test_policy_parts.py's state machine):
+- claims: reserved + external + free == total + overcommit, where overcommit > 0 only if the
+  backend reported a pool smaller than what is already reserved, and then free == 0;
+- forecasts: peak_blocks <= reserved_blocks, and peak + external + free == total when the
+  peak fits;
+- every count is >= 0; a request holds at most one reservation; releasing twice frees nothing.
+
+Admission (`admissible`): new reservations take at most the room left less the reserve
+(`reserve_fraction` of the pool, paged mode) while others hold blocks, and nothing while blocks
+are owed: a claim that outgrew into blocks not free, or a forecast peak past the pool. The mirror
+then sees a pool that runs dry before the running requests end, and an engine that allocates as
+tokens come (`max_utilization`) would pause one of them. With nothing held, the whole pool.
 """
 
 from __future__ import annotations
@@ -37,14 +50,22 @@ class _Reservation:
 class BlockMirror:
     """Reservations of KV blocks by request id, reconciled with the backend's counts."""
 
-    def __init__(self, config: KvConfig) -> None:
+    def __init__(self, config: KvConfig, forecast: bool = False) -> None:
         self.config = config
+        self.forecast = False
+        self.configure(config, forecast)
         self.tokens_per_block = config.tokens_per_block
         self.total_blocks = config.total_blocks
         self.external_blocks = 0
         self.reserved_blocks = 0
         self._held: dict[str, _Reservation] = {}
         self.last_observed_at: float | None = None
+
+    def configure(self, config: KvConfig, forecast: bool) -> None:
+        """New settings; `forecast` where the engine batches continuously (it takes effect for
+        paged KV on an engine that allocates as tokens come)."""
+        self.config = config
+        self.forecast = forecast and config.mode is KvMode.PAGED and not config.reserve_max_tokens
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -63,6 +84,9 @@ class BlockMirror:
 
     @property
     def free_blocks(self) -> int:
+        """Blocks no reservation claims (claims), or the room above the forecast peak."""
+        if self.forecast:
+            return max(0, self._room() - self.peak_blocks())
         return max(0, self.total_blocks - self.used_blocks)
 
     @property
@@ -74,16 +98,56 @@ class BlockMirror:
 
     @property
     def owed_blocks(self) -> int:
-        """Blocks reservations outgrew into but could not get (shortfalls not settled yet)."""
+        """Blocks the running requests are owed: claims outgrown into blocks that were not free
+        (shortfalls not settled yet); forecasts, the peak's excess over the pool."""
+        if self.forecast:
+            return max(0, self.peak_blocks() - self._room())
         return sum(r.shortfall_blocks for r in self._held.values())
 
-    def admissible(self, needs: list[int]) -> int:
-        """How many of `needs` (blocks, in order) new reservations may take now: each within
-        the free blocks less the reserve while anything is held (already, or chosen before it
-        in `needs`), and none while blocks are owed."""
+    def _room(self) -> int:
+        return max(0, self.total_blocks - self.external_blocks)
+
+    def _rows(self) -> list[tuple[int, int]]:
+        return [(r.used_tokens, r.blocks) for r in self._held.values()]
+
+    def peak_blocks(self, extra: list[tuple[int, int]] | None = None) -> int:
+        """Forecast: the most blocks the held reservations (and `extra`, as (tokens used now,
+        blocks reserved)) hold at once, if every row grows a token a step from what it uses
+        now to its reservation's size and frees all when it gets there. Claims: their sum."""
+        rows = self._rows() + (extra or [])
+        if not self.forecast:
+            return sum(blocks for _, blocks in rows)
+        tpb = self.tokens_per_block
+        # (tokens left to grow, tokens used now); the rows alive when row k ends are those with
+        # at least its tokens left, each then at used + row k's tokens left.
+        spans = sorted((max(0, blocks * tpb - used), used) for used, blocks in rows)
+        peak = used_sum = 0
+        for alive, (left, used) in enumerate(reversed(spans), start=1):
+            used_sum += used
+            # each row alive holds its tokens rounded up to a block: half a block each, on
+            # average, never more than its reservation
+            tokens = used_sum + alive * left
+            peak = max(peak, -(-tokens // tpb) + alive // 2)
+        return min(peak, sum(blocks for _, blocks in rows))
+
+    def admissible(self, needs: list[int], prompts: list[int] | None = None) -> int:
+        """How many of `needs` (blocks, in order; `prompts`, their prompt tokens) new
+        reservations may take now: each within the room less the reserve while anything is held
+        (already, or chosen before it in `needs`), and none while blocks are owed. Claims
+        must fit the free blocks; forecasts, the pool at their forecast peak."""
         if self.owed_blocks:
             return 0
-        free, held, taken = self.free_blocks, self.reserved_blocks > 0, 0
+        held = self.reserved_blocks > 0
+        if self.forecast:
+            tokens = prompts if prompts is not None else [n * self.tokens_per_block for n in needs]
+            chosen: list[tuple[int, int]] = []
+            for count, (need, prompt) in enumerate(zip(needs, tokens, strict=True)):
+                keep = self.reserve_blocks if held or count else 0
+                chosen.append((prompt, need))
+                if self.peak_blocks(chosen) + keep > self._room():
+                    return count
+            return len(needs)
+        free, taken = self.free_blocks, 0
         for count, need in enumerate(needs):
             keep = self.reserve_blocks if held or count else 0
             if taken + need + keep > free:
@@ -105,10 +169,11 @@ class BlockMirror:
     # -- changes -----------------------------------------------------------------------------
 
     def reserve(self, request_id: str, blocks: int, prompt_tokens: int) -> None:
-        """Reserve `blocks` (which must be free) for a request that holds none yet."""
+        """Reserve `blocks` for a request that holds none yet: a claim must find them free; a
+        forecast is checked by `admissible` first."""
         if request_id in self._held:
             raise ValueError(f"{request_id!r} already holds a reservation")
-        if blocks > self.free_blocks:
+        if not self.forecast and blocks > self.free_blocks:
             raise ValueError(f"{blocks} blocks wanted, {self.free_blocks} free")
         self._held[request_id] = _Reservation(blocks, prompt_tokens)
         self.reserved_blocks += blocks
@@ -126,7 +191,9 @@ class BlockMirror:
         return True
 
     def _grow(self, held: _Reservation, wanted: int) -> None:
-        got = min(wanted, self.free_blocks)
+        # A forecast just grows (the peak shows whether the pool can take it); a claim takes
+        # what is free and records the rest as owed.
+        got = wanted if self.forecast else min(wanted, self.free_blocks)
         held.blocks += got
         self.reserved_blocks += got
         held.shortfall_blocks = wanted - got
@@ -154,7 +221,11 @@ class BlockMirror:
             raise ValueError(f"impossible KV counts: free {free_blocks} of {total_blocks}")
         self.total_blocks = total_blocks
         backend_used = total_blocks - free_blocks
-        self.external_blocks = max(0, backend_used - self.reserved_blocks)
+        # What our requests hold now: their claims, or (forecasts) the blocks their tokens fill.
+        ours = self.reserved_blocks
+        if self.forecast:
+            ours = sum(min(r.blocks, self.blocks_for(r.used_tokens)) for r in self._held.values())
+        self.external_blocks = max(0, backend_used - ours)
         self.last_observed_at = now
 
     def is_stale(self, now: float) -> bool:

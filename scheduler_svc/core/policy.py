@@ -137,7 +137,7 @@ class PolicyScheduler:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config = config or PolicyConfig()
         self.lanes = {lane.name: LaneQueue(lane) for lane in config.lanes}
-        self.mirror = BlockMirror(config.kv)
+        self.mirror = BlockMirror(config.kv, forecast=config.continuous_batching)
         self.predictor = OutputPredictor(config.predict)
         self.breaker = Breaker(config.breaker)
         self.counters: Counter[str] = Counter()
@@ -493,7 +493,7 @@ class PolicyScheduler:
         limit = min(self._rows_left(lane), max_batch)
         order = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[: max(0, limit)]
         needs = [self.need(e) for e in order]
-        return order[: self.mirror.admissible(needs)]
+        return order[: self.mirror.admissible(needs, [e.prompt_tokens for e in order])]
 
     def _blocks(self, prompt_tokens: int, predicted: int, max_tokens: int) -> int:
         """Blocks a request reserves: for its predicted output, or for all of max_tokens where
@@ -533,7 +533,7 @@ class PolicyScheduler:
         # Everything that can fail is worked out before anything changes: a batch is released
         # whole or not at all, and never leaves a reservation behind.
         blocks = [self.need(e) for e in entries]
-        if sum(blocks) > self.mirror.free_blocks:
+        if not self.mirror.forecast and sum(blocks) > self.mirror.free_blocks:
             raise ValueError(f"{sum(blocks)} blocks wanted, {self.mirror.free_blocks} free")
         cost = sum(e.cost_tokens for e in entries)
         batch = BatchInfo(
@@ -669,7 +669,7 @@ class PolicyScheduler:
         self.predictor.config = config.predict
         for drain in (*self.drain.values(), self.pooled_drain):
             drain.config = config.admission
-        self.mirror.config = new_kv
+        self.mirror.configure(new_kv, forecast=config.continuous_batching)
         self.counters["reconfigured"] += 1
 
     # -- departures and feedback -------------------------------------------------------------

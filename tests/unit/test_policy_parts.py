@@ -185,6 +185,89 @@ TestMirrorMachine = MirrorMachine.TestCase
 TestMirrorMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 
 
+class ForecastMirrorMachine(MirrorMachine):
+    """The same, on an engine that allocates as tokens come: reservations are forecasts, and
+    the pool's forecast peak (not their sum) is what admission and the free count go by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mirror = BlockMirror(KvConfig(total_blocks=64, tokens_per_block=16), forecast=True)
+
+    @rule(tokens=st.integers(1, 600), prompt=st.integers(1, 600))
+    def reserve(self, tokens: int, prompt: int) -> None:
+        blocks = self.mirror.blocks_for(max(tokens, prompt))
+        if self.mirror.admissible([blocks], [prompt]):
+            self.mirror.reserve(f"r{self.n}", blocks, prompt)
+            self.n += 1
+            assert self.mirror.free_blocks >= 0 and self.mirror.owed_blocks == 0
+
+    @invariant()
+    def conserved(self) -> None:
+        m = self.mirror
+        assert m.forecast
+        assert min(m.free_blocks, m.reserved_blocks, m.external_blocks) >= 0
+        assert sum(m.held().values()) == m.reserved_blocks
+        peak = m.peak_blocks()
+        room = max(0, m.total_blocks - m.external_blocks)
+        assert peak <= m.reserved_blocks
+        assert m.free_blocks == max(0, room - peak)
+        assert m.owed_blocks == max(0, peak - room)
+        assert 0.0 <= m.fragmentation() <= 1.0
+        assert not self.released & set(m.held())
+
+
+TestForecastMirrorMachine = ForecastMirrorMachine.TestCase
+TestForecastMirrorMachine.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None
+)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 400), st.integers(0, 300)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_the_forecast_peak_is_what_rows_growing_a_token_a_step_hold_at_most(
+    rows: list[tuple[int, int]],
+) -> None:
+    """Brute force, token by token: rows grow from their tokens used to their reservation's
+    size and free everything then; the forecast peak lies between that peak's tokens (in
+    blocks) and its blocks plus half a block per row, and never above the reservations' sum."""
+    tpb = 16
+    mirror = BlockMirror(KvConfig(total_blocks=10_000, tokens_per_block=tpb), forecast=True)
+    for i, (used, final_tokens) in enumerate(rows):
+        mirror.reserve(f"r{i}", mirror.blocks_for(final_tokens), used)
+    spans = [(used, mirror.blocks_for(final) * tpb) for used, final in rows]
+    most_tokens = most_blocks = 0
+    for t in range(max(end - used for used, end in spans) + 1):
+        alive = [used + t for used, end in spans if used + t <= end]
+        most_tokens = max(most_tokens, sum(alive))
+        most_blocks = max(most_blocks, sum(-(-x // tpb) for x in alive))
+    peak = mirror.peak_blocks()
+    assert -(-most_tokens // tpb) <= peak <= most_blocks + len(rows) // 2
+    assert peak <= mirror.reserved_blocks
+
+
+def test_forecast_admission_counts_rows_that_end_before_others_grow() -> None:
+    """Two requests predicted to reach 40 blocks each: as claims they need 80 of a 64-block
+    pool; as forecasts the short one (prompt 16, 24 blocks to grow) ends while the long one is
+    still small, so both fit where the engine allocates as tokens come."""
+    config = KvConfig(total_blocks=64, tokens_per_block=16, reserve_fraction=0.0)
+    claims, forecasts = BlockMirror(config), BlockMirror(config, forecast=True)
+    for mirror in (claims, forecasts):
+        mirror.reserve("long", 40, 600)  # 600 tokens used now, 40 blocks (640) at its end
+    assert claims.admissible([40], [16]) == 0
+    assert forecasts.admissible([40], [16]) == 1
+    # the peak is at the long one's end, 40 tokens from now: 640 + 56 tokens, 44 blocks (and
+    # half a block a row for rounding)
+    forecasts.reserve("short", 40, 16)
+    assert 44 <= forecasts.peak_blocks() <= 45 and forecasts.owed_blocks == 0
+    # a third that starts big and stays big does not fit: 600 + 600 tokens at once
+    assert forecasts.admissible([40], [600]) == 0
+
+
 def test_deficit_round_robin_shares_by_weight_and_lends_idle_shares() -> None:
     drr = DeficitRoundRobin({"a": 0.75, "b": 0.25}, quantum_tokens=100)
     served = {"a": 0, "b": 0}
