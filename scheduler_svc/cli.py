@@ -268,6 +268,7 @@ def _simulate(args: argparse.Namespace) -> int:
         duration_scale=args.duration_scale,
         slo_search=not args.no_slo_search,
         kv_mode=args.kv_mode,
+        kv_blocks=args.kv_blocks,
     )
     try:
         result = suite.run_suite(params, lambda step: print(f"  {step}", file=sys.stderr))
@@ -544,6 +545,11 @@ def _add_tool_commands(commands: Any) -> None:
         choices=["paged", "contiguous"],
         default="paged",
         help="engine and mirror KV allocation; contiguous is the source document's 'before'",
+    )
+    sim.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="the engine's KV pool in 16-token blocks (default: what the A100 model leaves)",
     )
     sim.add_argument("--no-slo-search", action="store_true", help="skip the QPS-at-SLO bisection")
     sim.add_argument(

@@ -36,6 +36,7 @@ from scheduler_svc.bench.plan import (
     DEFAULTS_TARGET,
     LANES,
     SMART_BATCHING,
+    SUMMED_TARGET,
     EngineDelta,
     Outcome,
     classify_error,
@@ -202,6 +203,8 @@ def sidecar_config(
         }
         for lane in config["policy"]["lanes"]:
             lane.update(batching)
+        if target == SUMMED_TARGET:
+            config["policy"]["kv"] = {"forecast_peak": False}
     return config
 
 

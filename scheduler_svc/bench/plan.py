@@ -19,7 +19,12 @@ from scheduler_svc.sim.workload import RequestClass, Scenario, SimRequest, gener
 TARGETS = ("triton", "fifo", "policy")
 # The source document's SmartBatching settings (max_ratio, batch timeout): the policy target runs
 # the first; the QPS-at-SLO search on a static engine runs the others as extra sidecars too.
-SMART_BATCHING = {"policy": (1.5, 0.05), "policy_2.0_30": (2.0, 0.03), "policy_1.2_80": (1.2, 0.08)}
+SMART_BATCHING = {
+    "policy": (1.5, 0.05),
+    "policy_2.0_30": (2.0, 0.03),
+    "policy_1.2_80": (1.2, 0.08),
+    "policy_summed": (1.5, 0.05),
+}
 MATRIX_TARGETS = ("policy_2.0_30", "policy_1.2_80")
 TARGET_NAMES = {
     "triton": "Triton alone",
@@ -28,7 +33,11 @@ TARGET_NAMES = {
     "policy_2.0_30": "sidecar policy 2.0 / 30 ms",
     "policy_1.2_80": "sidecar policy 1.2 / 80 ms",
     "policy_defaults": "sidecar policy, make run's timers",
+    "policy_summed": "sidecar policy, KV by summed reservations",
 }
+# The policy whose KV mirror admits by the sum of every reservation's final size instead of the
+# pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
+SUMMED_TARGET = "policy_summed"
 # The policy with `make run`'s settings: the core's defaults, the source document's A100 lane
 # timers (hot 100 ms, warm 500 ms), not rescaled to this engine. Run where a plan says.
 DEFAULTS_TARGET = "policy_defaults"
@@ -228,7 +237,7 @@ KV = Plan(
     slo_iterations=3,
     slo_window_s=20.0,
     slo_min_requests=100,
-    slo_target_set=("triton", "policy"),
+    slo_target_set=("triton", "policy", SUMMED_TARGET),
     warmup_requests=48,
 )
 PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV)}

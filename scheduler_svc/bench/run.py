@@ -222,7 +222,7 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
             # The sidecars this engine's steps and searches need.
             wanted = set(P.TARGETS if plan.steps else plan.slo_target_set)
-            targets: list[str] = [t for t in ("fifo", "policy") if t in wanted]
+            targets: list[str] = [t for t in ("fifo", "policy", P.SUMMED_TARGET) if t in wanted]
             if any(engine == strategy for engine, _ in plan.slo_matrix):
                 targets += P.MATRIX_TARGETS
             if any(engine == strategy for engine, _ in plan.defaults_at):

@@ -149,6 +149,9 @@ class KvConfig:
     # The engine reserves prompt + max_tokens at admission (TensorRT-LLM's
     # guaranteed_no_evict): the mirror reserves the same, whatever the prediction.
     reserve_max_tokens: bool = False
+    # On an in-flight engine that allocates as tokens come, admit by the pool's forecast peak
+    # (rows end at different times); false: by the sum of every reservation's final size.
+    forecast_peak: bool = True
 
     def validate(self) -> None:
         _check(1 <= self.tokens_per_block <= 1024, "kv.tokens_per_block", "must be in [1, 1024]")

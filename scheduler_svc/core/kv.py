@@ -63,9 +63,15 @@ class BlockMirror:
 
     def configure(self, config: KvConfig, forecast: bool) -> None:
         """New settings; `forecast` where the engine batches continuously (it takes effect for
-        paged KV on an engine that allocates as tokens come)."""
+        paged KV on an engine that allocates as tokens come, unless `kv.forecast_peak` is
+        off)."""
         self.config = config
-        self.forecast = forecast and config.mode is KvMode.PAGED and not config.reserve_max_tokens
+        self.forecast = (
+            forecast
+            and config.forecast_peak
+            and config.mode is KvMode.PAGED
+            and not config.reserve_max_tokens
+        )
 
     # -- sizes -------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class SuiteParams:
     slo_search: bool = True  # bisect for QPS at SLO (every engine; not for the burst)
     kv_mode: str = "paged"  # "contiguous" replays the source document's "before" allocation
     max_num_seqs: int = A100_AWQ_8B.max_num_seqs  # the engine's sequence limit
+    kv_blocks: int | None = None  # the KV pool in blocks; None: what the cost model's GPU leaves
     warmup: int = 0  # output lengths the policy has learnt before a run (as a deployed one has)
     # A second QPS-at-SLO search that also bounds every request's time per output token
     # (`qps_at_slo_tpot`): what engine pauses and overcommitted KV cost shows there, not in TTFT.
@@ -54,8 +55,13 @@ def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None
     unknown = [s for s in params.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown} (choose from {', '.join(SCENARIOS)})")
+    if params.kv_blocks is not None and params.kv_blocks < 1:
+        raise ValueError(f"the KV pool must hold at least one block (got {params.kv_blocks})")
     kv = KvMode(params.kv_mode)
     cost = replace(A100_AWQ_8B, max_num_seqs=params.max_num_seqs)
+    if params.kv_blocks is not None:
+        block_bytes = cost.kv_bytes_per_token * cost.tokens_per_block
+        cost = replace(cost, kv_pool_bytes=params.kv_blocks * block_bytes)
     rows: list[dict[str, Any]] = []
     for name in params.scenarios:
         scenario = with_duration(

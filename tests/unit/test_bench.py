@@ -279,7 +279,14 @@ def test_kv_pressure_runs_count_pauses_and_kv_in_use() -> None:
 def test_the_kv_plan_searches_triton_and_the_policy_on_both_kv_policies() -> None:
     plan = bp.KV
     assert plan.engines == ("kv_noevict", "kv_maxutil")
-    assert [plan.slo_targets(e, m) for e, m in plan.slo_points] == [("triton", "policy")] * 2
+    searched = ("triton", "policy", bp.SUMMED_TARGET)
+    assert [plan.slo_targets(e, m) for e, m in plan.slo_points] == [searched] * 2
+    # the summed-reservations policy is the forecast policy with one setting off
+    summed = live.sidecar_config(
+        "kv_maxutil", bp.SUMMED_TARGET, "", {"hot": 1, "warm": 1, "cold": 1}
+    )
+    policy = live.sidecar_config("kv_maxutil", "policy", "", {"hot": 1, "warm": 1, "cold": 1})
+    assert summed["policy"].pop("kv") == {"forecast_peak": False} and summed == policy
     assert all(plan.mixes(e) == ["kv_pressure"] for e in plan.engines)
     assert "kv_pressure" in bp.ENDS_ITSELF and plan.warmup_requests > 0
     # Generous max_tokens go out as they are; other mixes are cut to their drawn output.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,10 @@ def test_forecast_admission_counts_rows_that_end_before_others_grow() -> None:
     assert 44 <= forecasts.peak_blocks() <= 45 and forecasts.owed_blocks == 0
     # a third that starts big and stays big does not fit: 600 + 600 tokens at once
     assert forecasts.admissible([40], [600]) == 0
+    # `kv.forecast_peak: false` keeps claims on the same engine; so does an engine that reserves
+    # prompt + max_tokens itself
+    assert not BlockMirror(replace(config, forecast_peak=False), forecast=True).forecast
+    assert not BlockMirror(replace(config, reserve_max_tokens=True), forecast=True).forecast
 
 
 def test_deficit_round_robin_shares_by_weight_and_lends_idle_shares() -> None:
