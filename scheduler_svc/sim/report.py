@@ -160,37 +160,37 @@ def _cell(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of summaries, one row per (scenario, engine, target)."""
-    head = (
-        "| scenario | engine | target | offered QPS | QPS at SLO | goodput | hot TTFT p99 | "
-        "warm TTFT p99 | cold TTFT p99 | padding | batch util | KV frag | fast rejects | "
-        "failed after accept |"
-    )
-    lines = [head, "|" + "---|" * 14]
-    for r in rows:
-        lanes = r["lanes"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["scenario"],
-                    r["engine"],
-                    r["target"],
-                    _cell(r["offered_qps"]),
-                    _cell(r.get("qps_at_slo")),
-                    _cell(r["goodput_rps"]),
-                    *(_cell(lanes.get(lane, {}).get("ttft_p99_ms"), " ms") for lane in LANES),
-                    _cell(r["padding_ratio"], "%"),
-                    _cell(r["batch_utilization"], "%"),
-                    _cell(r["kv_fragmentation"], "%"),
-                    _cell(r["rejected_fast"]),
-                    _cell(r["failed_after_accept"]),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
+    header = [
+        "scenario", "engine", "target", "offered QPS", "QPS at SLO", "goodput",
+        *(f"{lane} TTFT p99" for lane in LANES),
+        "padding", "batch util", "KV frag", "fast rejects", "failed after accept",
+    ]  # fmt: skip
+    cells = [
+        [
+            r["scenario"],
+            r["engine"],
+            r["target"],
+            _cell(r["offered_qps"]),
+            _cell(r.get("qps_at_slo")),
+            _cell(r["goodput_rps"]),
+            *(_cell(r["lanes"].get(lane, {}).get("ttft_p99_ms"), " ms") for lane in LANES),
+            _cell(r["padding_ratio"], "%"),
+            _cell(r["batch_utilization"], "%"),
+            _cell(r["kv_fragmentation"], "%"),
+            _cell(r["rejected_fast"]),
+            _cell(r["failed_after_accept"]),
+        ]
+        for r in rows
+    ]
+    return _markdown(header, cells)
 
 
 def kv_table(rows: list[dict[str, Any]], suffix: str = "") -> str:
@@ -199,35 +199,31 @@ def kv_table(rows: list[dict[str, Any]], suffix: str = "") -> str:
     KV use in the run at that rate."""
     field = f"qps_at_slo{suffix}"
     qps = {(r["scenario"], r["engine"], r["target"]): r.get(field) for r in rows}
-    lines = [
-        "| scenario | engine | target | QPS at SLO | ÷ Triton alone, no_evict | "
-        "÷ Triton alone, same engine | pauses there (per request) | KV blocks in use | "
-        "rows per step |",
-        "|" + "---|" * 9,
-    ]
+    header = [
+        "scenario", "engine", "target", "QPS at SLO", "÷ Triton alone, no_evict",
+        "÷ Triton alone, same engine", "pauses there (per request)", "KV blocks in use",
+        "rows per step",
+    ]  # fmt: skip
+    cells = []
     for r in rows:
         at = r.get(f"at_slo{suffix}") or {}
         rate = r.get(field)
         paused = at.get("paused")
         per_request = None if paused is None else f"{paused} ({paused / at['requests']:.1%})"
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["scenario"],
-                    r["engine"],
-                    r["target"],
-                    _cell(rate),
-                    _ratio(rate, qps.get((r["scenario"], "inflight_noevict", "fifo"))),
-                    _ratio(rate, qps.get((r["scenario"], r["engine"], "fifo"))),
-                    _cell(per_request),
-                    _cell(at.get("kv_utilization"), "%"),
-                    _cell(at.get("rows_per_step")),
-                ]
-            )
-            + " |"
+        cells.append(
+            [
+                r["scenario"],
+                r["engine"],
+                r["target"],
+                _cell(rate),
+                _ratio(rate, qps.get((r["scenario"], "inflight_noevict", "fifo"))),
+                _ratio(rate, qps.get((r["scenario"], r["engine"], "fifo"))),
+                _cell(per_request),
+                _cell(at.get("kv_utilization"), "%"),
+                _cell(at.get("rows_per_step")),
+            ]
         )
-    return "\n".join(lines)
+    return _markdown(header, cells)
 
 
 def _ratio(value: float | None, base: float | None) -> str:

@@ -6,6 +6,7 @@ import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from scheduler_svc.core.config import KvMode
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.sim.costmodel import A100_AWQ_8B
 from scheduler_svc.sim.engine import InflightEngine, Sequence
-from scheduler_svc.sim.report import highest_rate, meets_slo, percentile, summarize
+from scheduler_svc.sim.report import highest_rate, kv_table, meets_slo, percentile, summarize
 from scheduler_svc.sim.runner import learn_outputs, make_scheduler, simulate, with_duration
 from scheduler_svc.sim.suite import GOLDEN, run_suite
 from scheduler_svc.sim.workload import SCENARIOS, generate
@@ -154,3 +155,24 @@ def test_time_per_output_token_bounds_the_slo_where_asked() -> None:
     assert meets_slo(run) and not meets_slo(run, fastest / 2)
     summary = summarize(run)
     assert summary["lanes"]["hot"]["tpot_p99_ms"] >= fastest * 1000
+
+
+def test_the_kv_table_divides_by_triton_alone_on_no_evict_and_on_the_same_engine() -> None:
+    def row(engine: str, target: str, qps: float, paused: int) -> dict[str, Any]:
+        at = {"requests": 200, "paused": paused, "kv_utilization": 0.25, "rows_per_step": 12.0}
+        return {
+            "scenario": "kv_chat", "engine": engine, "target": target,
+            "qps_at_slo": qps, "at_slo": at,
+        }  # fmt: skip
+
+    rows = [
+        row("inflight_noevict", "fifo", 2.0, 0),
+        row("inflight", "fifo", 6.0, 4),
+        row("inflight", "policy", 9.0, 0),
+    ]
+    lines = kv_table(rows).splitlines()
+    assert len(lines) == 2 + len(rows) and lines[0].startswith("| scenario | engine |")
+    assert "| 9.0 | 4.50× | 1.50× | 0 (0.0%) | 25.0% | 12.0 |" in lines[-1]
+    assert "| 6.0 | 3.00× | 1.00× | 4 (2.0%) |" in lines[-2]
+    # a search not run (no `qps_at_slo_tpot`) shows as blanks, not as zeros
+    assert "| kv_chat | inflight | policy | — | — | — | — | — | — |" in kv_table(rows, "_tpot")
