@@ -110,7 +110,7 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
     if target == "fifo":
         return None
     if target == "priority":
-        rows = cost.max_num_seqs if engine == "inflight" else STATIC_ROWS_IN_FLIGHT
+        rows = cost.max_num_seqs if engine != "static" else STATIC_ROWS_IN_FLIGHT
         return FifoScheduler(max_queued=cost.max_queue_size, max_in_flight=rows)
     if target == "policy":
         # The sidecar's rule for an engine profile (SidecarConfig.policy_for): an in-flight
