@@ -51,8 +51,6 @@ class BlockMirror:
     """Reservations of KV blocks by request id, reconciled with the backend's counts."""
 
     def __init__(self, config: KvConfig, forecast: bool = False) -> None:
-        self.config = config
-        self.forecast = False
         self.configure(config, forecast)
         self.tokens_per_block = config.tokens_per_block
         self.total_blocks = config.total_blocks
@@ -136,7 +134,7 @@ class BlockMirror:
             peak = max(peak, -(-tokens // tpb) + alive // 2)
         return min(peak, sum(blocks for _, blocks in rows))
 
-    def admissible(self, needs: list[int], prompts: list[int] | None = None) -> int:
+    def admissible(self, needs: list[int], prompts: list[int]) -> int:
         """How many of `needs` (blocks, in order; `prompts`, their prompt tokens) new
         reservations may take now: each within the room less the reserve while anything is held
         (already, or chosen before it in `needs`), and none while blocks are owed. Claims
@@ -145,9 +143,8 @@ class BlockMirror:
             return 0
         held = self.reserved_blocks > 0
         if self.forecast:
-            tokens = prompts if prompts is not None else [n * self.tokens_per_block for n in needs]
             chosen: list[tuple[int, int]] = []
-            for count, (need, prompt) in enumerate(zip(needs, tokens, strict=True)):
+            for count, (need, prompt) in enumerate(zip(needs, prompts, strict=True)):
                 keep = self.reserve_blocks if held or count else 0
                 chosen.append((prompt, need))
                 if self.peak_blocks(chosen) + keep > self._room():

@@ -130,7 +130,7 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
             reserve_max_tokens=no_evict,
         )
         predict = PredictConfig()
-        if engine == "inflight" and kv_mode is KvMode.PAGED:
+        if engine == "inflight":
             predict = PredictConfig(quantile=MEDIAN_FOR_ALLOCATING_ENGINES)
         return PolicyScheduler(
             PolicyConfig(
