@@ -269,6 +269,7 @@ def _simulate(args: argparse.Namespace) -> int:
         slo_search=not args.no_slo_search,
         kv_mode=args.kv_mode,
         kv_blocks=args.kv_blocks,
+        profile=args.engine_profile or base.profile,
     )
     try:
         result = suite.run_suite(params, lambda step: print(f"  {step}", file=sys.stderr))
@@ -521,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_tool_commands(commands: Any) -> None:
     """Commands that need no running sidecar: simulate, model-repo, health."""
     sim = commands.add_parser(
-        "simulate", help="replay the source document's scenarios (A100 model)"
+        "simulate", help="replay the source document's scenarios (A100 estimate by default)"
     )
     sim.add_argument("--scenario", action="append", help="a scenario (repeat; default: all)")
     sim.add_argument(
@@ -549,7 +550,12 @@ def _add_tool_commands(commands: Any) -> None:
     sim.add_argument(
         "--kv-blocks",
         type=int,
-        help="the engine's KV pool in 16-token blocks (default: what the A100 model leaves)",
+        help="the engine's KV pool in blocks (default: what the profile's GPU leaves)",
+    )
+    sim.add_argument(
+        "--engine-profile",
+        help="the engine's cost profile: a bundled name (a100-8b-awq, the default; "
+        "h200-8b-bf16) or a profile file (benchmarks/gpu_profile.py writes one)",
     )
     sim.add_argument("--no-slo-search", action="store_true", help="skip the QPS-at-SLO bisection")
     sim.add_argument(

@@ -1,9 +1,10 @@
 """Simulated engines in virtual time: in-flight (continuous) batching and static batching.
 
-In-flight: every step admits waiting sequences in arrival order while the sequence limit and the
-KV pool allow, prefills up to `max_num_tokens` prompt tokens (chunked context, split between
-prompts by the cost model's `context_chunking_policy`, the reference engine's rule), and
-decodes one token for every running sequence. KV blocks are taken as TensorRT-LLM's
+In-flight, as the reference engine's batcher plans a step (engine/batcher.py): every running
+sequence past its prompt decodes one token; the rest of `max_num_tokens` goes to prompt chunks
+(chunked context, split between prompts by the profile's `context_chunking_policy`); waiting
+sequences are admitted in arrival order while the sequence limit, that budget and the KV pool
+allow (the head of the queue is never overtaken). KV blocks are taken as TensorRT-LLM's
 `batch_scheduler_policy` takes them: as tokens arrive (`max_utilization`, paged: when a decoding
 sequence needs a block and none is free, the newest running sequence is paused and later
 recomputed from its prompt and what it had generated), for prompt + max_tokens at admission
@@ -11,6 +12,8 @@ recomputed from its prompt and what it had generated), for prompt + max_tokens a
 admission (contiguous, the source document's "before").
 Static: one batch at a time; every row is padded to the batch's longest prompt and the batch
 decodes until its longest output is done.
+A step's time is the cost profile's (`profiles/profile.py`), counted as the engine counts it:
+decode rows, the KV tokens they and the prompt chunks read, and the prompt tokens fed.
 
 Invariants: free blocks + blocks held by running sequences == total; a sequence is waiting,
 running or finished, never two of these.
@@ -22,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc.core.chunking import split_budget
-from scheduler_svc.sim.costmodel import CostModel
+from scheduler_svc.profiles import CostProfile
 
 
 @dataclass(eq=False)
@@ -55,7 +58,7 @@ class StepResult:
 @dataclass
 class EngineTotals:
     steps: int = 0
-    rows: int = 0  # sum over steps of running sequences
+    rows: int = 0  # sum over steps of the sequences each step runs
     batches: int = 0
     batch_rows: int = 0
     padded_prompt_tokens: int = 0
@@ -65,17 +68,17 @@ class EngineTotals:
     slots_used: int = 0
     blocks_held: int = 0  # sum over steps of KV blocks held by running sequences
     pool_blocks: int = 0  # the KV pool's size (in-flight engines)
-    row_limit: int = 0  # the most rows a step runs (max_num_seqs, or a static batch's size)
+    row_limit: int = 0  # the most rows a step runs (max_num_sequences, or a static batch)
 
 
 class _Engine:
     """What both engines share: a bounded waiting queue and the rows running now."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostProfile) -> None:
         self.cost = cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.totals = EngineTotals(row_limit=cost.max_num_seqs)
+        self.totals = EngineTotals(row_limit=cost.max_num_sequences)
 
     def enqueue(self, seq: Sequence) -> bool:
         """False when the engine's own queue is full (the request is refused)."""
@@ -92,7 +95,7 @@ class InflightEngine(_Engine):
     """Continuous batching over a finite paged KV pool."""
 
     def __init__(
-        self, cost: CostModel, contiguous: bool = False, reserve_max_tokens: bool = False
+        self, cost: CostProfile, contiguous: bool = False, reserve_max_tokens: bool = False
     ) -> None:
         super().__init__(cost)
         self.contiguous = contiguous
@@ -105,9 +108,16 @@ class InflightEngine(_Engine):
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.cost.tokens_per_block)
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.cost.max_num_seqs:
+    def _admit(self, budget: int, prefilling: list[Sequence]) -> None:
+        """Admit from the head of the queue while the sequence limit, this step's prompt budget
+        (the reference engine's rule for its chunking policy) and the KV pool allow."""
+        equal = self.cost.context_chunking_policy == "equal_progress"
+        left = budget - sum(s.context - s.prefilled for s in prefilling)
+        while self.waiting and len(self.running) < self.cost.max_num_sequences:
             seq = self.waiting[0]
+            fits = len(prefilling) < budget if equal else left > 0
+            if not fits:
+                return
             if self.contiguous:
                 tokens = self.cost.max_seq_len
             elif self.reserve_max_tokens:
@@ -123,6 +133,8 @@ class InflightEngine(_Engine):
             self._admissions += 1
             seq.admitted_seq = self._admissions
             self.running.append(seq)
+            prefilling.append(seq)
+            left -= seq.context
 
     def _pause_newest(self) -> None:
         victim = max(self.running, key=lambda s: s.admitted_seq)
@@ -135,18 +147,7 @@ class InflightEngine(_Engine):
 
     def step(self) -> StepResult:
         """Run one iteration; the caller advances time by `duration_s`."""
-        self._admit()
-        prefill_tokens = 0
-        first: list[Sequence] = []
-        prefilling = [s for s in self.running if s.context > s.prefilled]
         decoding = [s for s in self.running if s.context <= s.prefilled]
-        wants = [s.context - s.prefilled for s in prefilling]
-        sizes = split_budget(wants, self.cost.max_num_tokens, self.cost.context_chunking_policy)
-        for seq, chunk in zip(prefilling, sizes, strict=True):
-            prefill_tokens += chunk
-            seq.prefilled += chunk
-            if seq.prefilled == seq.context:
-                first.append(seq)
         for seq in decoding:
             if seq not in self.running:
                 continue  # paused this step to make room
@@ -159,10 +160,28 @@ class InflightEngine(_Engine):
                     self.free_blocks -= 1
                     seq.blocks += 1
         decoding = [s for s in decoding if s in self.running]
-        context = sum(s.context for s in self.running)
-        duration = self.cost.step_s(len(self.running), context, prefill_tokens)
-        self._account(context)
-        produced = [s for s in first if s in self.running] + decoding
+        budget = self.cost.max_num_tokens - len(decoding)
+        prefilling = [s for s in self.running if s.context > s.prefilled]
+        self._admit(budget, prefilling)
+        wants = [s.context - s.prefilled for s in prefilling]
+        sizes = split_budget(wants, budget, self.cost.context_chunking_policy)
+        # What the step reads from the KV cache: each decode row its context (all but the token
+        # it feeds), each prompt chunk the chunks before it.
+        read = sum(s.context - 1 for s in decoding)
+        first: list[Sequence] = []
+        prompt_tokens = chunked = 0
+        for seq, chunk in zip(prefilling, sizes, strict=True):
+            if not chunk:
+                continue
+            chunked += 1
+            read += seq.prefilled
+            prompt_tokens += chunk
+            seq.prefilled += chunk
+            if seq.prefilled == seq.context:
+                first.append(seq)
+        duration = self.cost.step_s(len(decoding), read, prompt_tokens)
+        self._account(len(decoding) + chunked)
+        produced = first + decoding
         for seq in produced:
             seq.generated += 1
             seq.prefilled = seq.context
@@ -174,19 +193,19 @@ class InflightEngine(_Engine):
         firsts = [s for s in produced if s.generated == 1]
         return StepResult(duration, firsts, produced, finished)
 
-    def _account(self, context: int) -> None:
+    def _account(self, rows: int) -> None:
         t = self.totals
         t.steps += 1
-        t.rows += len(self.running)
+        t.rows += rows
         t.slots_allocated += sum(s.blocks for s in self.running) * self.cost.tokens_per_block
-        t.slots_used += context
+        t.slots_used += sum(s.prefilled for s in self.running)
         t.blocks_held += self.total_blocks - self.free_blocks
 
 
 class StaticEngine(_Engine):
     """One padded batch at a time (TensorRT-LLM's V1 / static batching); `running` is it."""
 
-    def __init__(self, cost: CostModel, max_batch: int = 64) -> None:
+    def __init__(self, cost: CostProfile, max_batch: int = 64) -> None:
         super().__init__(cost)
         self.max_batch = max_batch
         self.totals.row_limit = max_batch
@@ -215,11 +234,12 @@ class StaticEngine(_Engine):
         if not self.running:
             self._next_batch()
             rows = len(self.running)
-            duration = self.cost.step_s(rows, 0, rows * self._padded_len)
+            duration = self.cost.step_s(0, 0, rows * self._padded_len)
             produced = list(self.running)
         else:
             longest = max(s.generated for s in self.running)
-            duration = self.cost.step_s(rows, rows * (self._padded_len + longest), 0)
+            # Every row, finished ones too, reads the padded prompt and the steps so far.
+            duration = self.cost.step_s(rows, rows * (self._padded_len + longest - 1), 0)
             produced = [s for s in self.running if s.generated < s.output_tokens]
         self.totals.steps += 1
         self.totals.rows += rows

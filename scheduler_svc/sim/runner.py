@@ -29,7 +29,7 @@ from scheduler_svc.core.config import (
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Dispatch, Expired, Rejected, Request, Scheduler, Urgency
-from scheduler_svc.sim.costmodel import A100_AWQ_8B, CostModel
+from scheduler_svc.profiles import CostProfile, load_profile
 from scheduler_svc.sim.engine import (
     EngineTotals,
     InflightEngine,
@@ -40,6 +40,8 @@ from scheduler_svc.sim.engine import (
 from scheduler_svc.sim.workload import Scenario, SimRequest, generate
 
 TARGETS = ("fifo", "priority", "policy")
+# The profile the source document's tables are projected on (an A100, as the document's).
+DEFAULT_SIM_PROFILE = "a100-8b-awq"
 # In-flight on max_utilization (KV as tokens come, pauses when dry), in-flight on
 # guaranteed_no_evict (prompt + max_tokens reserved at admission), static (V1).
 ENGINES = ("inflight", "inflight_noevict", "static")
@@ -106,11 +108,13 @@ class RunResult:
     end_s: float = 0.0
 
 
-def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -> Scheduler | None:
+def make_scheduler(
+    target: str, engine: str, cost: CostProfile, kv_mode: KvMode
+) -> Scheduler | None:
     if target == "fifo":
         return None
     if target == "priority":
-        rows = cost.max_num_seqs if engine != "static" else STATIC_ROWS_IN_FLIGHT
+        rows = cost.max_num_sequences if engine != "static" else STATIC_ROWS_IN_FLIGHT
         return FifoScheduler(max_queued=cost.max_queue_size, max_in_flight=rows)
     if target == "policy":
         # The sidecar's rule for an engine profile (SidecarConfig.policy_for): an in-flight
@@ -126,7 +130,7 @@ def make_scheduler(target: str, engine: str, cost: CostModel, kv_mode: KvMode) -
             tokens_per_block=cost.tokens_per_block,
             total_blocks=cost.total_blocks,
             max_seq_len=cost.max_seq_len,
-            max_in_flight=cost.max_num_seqs,
+            max_in_flight=cost.max_num_sequences,
             reserve_max_tokens=no_evict,
         )
         predict = PredictConfig()
@@ -161,7 +165,7 @@ class _Run:
         engine: str,
         seed: int,
         qps: float | None,
-        cost: CostModel,
+        cost: CostProfile,
         kv_mode: KvMode,
         warmup: int = 0,
     ) -> None:
@@ -295,13 +299,15 @@ def simulate(
     engine: str = "inflight",
     seed: int = 0,
     qps: float | None = None,
-    cost: CostModel = A100_AWQ_8B,
+    cost: CostProfile | None = None,
     kv_mode: KvMode = KvMode.PAGED,
     warmup: int = 0,
 ) -> RunResult:
     """One seeded run of `scenario` against `target` on `engine`; the policy first learns the
-    output lengths of `warmup` earlier requests of the same mix."""
-    return _Run(scenario, target, engine, seed, qps, cost, kv_mode, warmup).run()
+    output lengths of `warmup` earlier requests of the same mix. `cost`: the engine's cost profile
+    (default: the A100 estimate the simulator's tables use)."""
+    profile = cost if cost is not None else load_profile(DEFAULT_SIM_PROFILE)
+    return _Run(scenario, target, engine, seed, qps, profile, kv_mode, warmup).run()
 
 
 def with_duration(scenario: Scenario, duration_s: float) -> Scenario:

@@ -13,9 +13,15 @@ from functools import partial
 from typing import Any
 
 from scheduler_svc.core.config import KvMode
-from scheduler_svc.sim.costmodel import A100_AWQ_8B
+from scheduler_svc.profiles import load_profile
 from scheduler_svc.sim.report import highest_rate, meets_slo, summarize
-from scheduler_svc.sim.runner import TARGETS, RunResult, simulate, with_duration
+from scheduler_svc.sim.runner import (
+    DEFAULT_SIM_PROFILE,
+    TARGETS,
+    RunResult,
+    simulate,
+    with_duration,
+)
 from scheduler_svc.sim.workload import DOCUMENT_SCENARIOS, KV_SCENARIOS, SCENARIOS, Scenario
 
 
@@ -28,8 +34,9 @@ class SuiteParams:
     duration_scale: float = 1.0  # multiplies each scenario's duration
     slo_search: bool = True  # bisect for QPS at SLO (every engine; not for the burst)
     kv_mode: str = "paged"  # "contiguous" replays the source document's "before" allocation
-    max_num_seqs: int = A100_AWQ_8B.max_num_seqs  # the engine's sequence limit
-    kv_blocks: int | None = None  # the KV pool in blocks; None: what the cost model's GPU leaves
+    profile: str = DEFAULT_SIM_PROFILE  # a bundled cost profile's name, or a profile file
+    max_num_sequences: int | None = None  # the engine's sequence limit; None: the profile's
+    kv_blocks: int | None = None  # the KV pool in blocks; None: what the profile's GPU leaves
     warmup: int = 0  # output lengths the policy has learnt before a run (as a deployed one has)
     # A second QPS-at-SLO search that also bounds every request's time per output token
     # (`qps_at_slo_tpot`): what engine pauses and overcommitted KV cost shows there, not in TTFT.
@@ -44,24 +51,25 @@ KV_PROJECTION = SuiteParams(
     scenarios=KV_SCENARIOS,
     engines=("inflight_noevict", "inflight"),
     targets=("fifo", "policy"),
-    max_num_seqs=256,
+    max_num_sequences=256,
     warmup=64,
     tpot_slo_s=0.05,
 )
 
 
 def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every run's summary, with the parameters and the cost model's constants."""
+    """Every run's summary, with the parameters and the cost profile's constants."""
     unknown = [s for s in params.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenarios {unknown} (choose from {', '.join(SCENARIOS)})")
     if params.kv_blocks is not None and params.kv_blocks < 1:
         raise ValueError(f"the KV pool must hold at least one block (got {params.kv_blocks})")
     kv = KvMode(params.kv_mode)
-    cost = replace(A100_AWQ_8B, max_num_seqs=params.max_num_seqs)
+    cost = load_profile(params.profile)
+    if params.max_num_sequences is not None:
+        cost = replace(cost, max_num_sequences=params.max_num_sequences)
     if params.kv_blocks is not None:
-        block_bytes = cost.kv_bytes_per_token * cost.tokens_per_block
-        cost = replace(cost, kv_pool_bytes=params.kv_blocks * block_bytes)
+        cost = cost.with_pool_blocks(params.kv_blocks)
     rows: list[dict[str, Any]] = []
     for name in params.scenarios:
         scenario = with_duration(
@@ -92,7 +100,7 @@ def run_suite(params: SuiteParams, progress: Callable[[str], None] | None = None
                         if rate:  # the run at that rate, as the KV table reports it
                             summary[f"at_slo{suffix}"] = _at_slo(summarize(run_at(rate)))
                 rows.append(summary)
-    return {"params": _plain(params), "cost_model": asdict(cost), "runs": rows}
+    return {"params": _plain(params), "cost_profile": asdict(cost), "runs": rows}
 
 
 def _meets(run_at: Callable[[float], RunResult], bound: float | None, qps: float) -> bool:

@@ -1,4 +1,5 @@
-"""What the build guarantees: current proto stubs, and a pure core."""
+"""What the build guarantees: current proto stubs, and a pure core (with the simulator and the
+cost profiles both it and the reference engine read)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from scheduler_svc import protogen
 
 PACKAGE = Path(__file__).resolve().parents[2] / "scheduler_svc"
-PURE = ("core", "sim")
+PURE = ("core", "sim", "profiles")
 
 
 def test_generated_stubs_match_the_protos() -> None:
@@ -26,7 +27,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_core_and_sim_import_only_the_standard_library_and_each_other() -> None:
+def test_core_sim_and_profiles_import_only_the_standard_library_and_each_other() -> None:
     forbidden_stdlib = {"asyncio", "time", "os", "socket", "threading", "subprocess"}
     checked = 0
     for folder in PURE:
