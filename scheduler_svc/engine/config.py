@@ -4,6 +4,10 @@ The engine reads its settings from the `parameters` of its Triton `config.pbtxt`
 names TensorRT-LLM's `tensorrt_llm` model uses where one exists (`gpt_model_type`,
 `batch_scheduler_policy`, `max_tokens_in_paged_kv_cache`, `max_queue_size`, ...), so the same
 knobs mean the same thing on both engines.
+
+`timing: emulated` keeps a GPU's time instead of computing a model (engine/emulated.py): the
+engine's shape parameters that the config leaves out (sequences, token budget, KV pool, chunking,
+queue) then come from the cost profile, so an emulated engine is the profile's GPU by default.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scheduler_svc.profiles import DEFAULT_PROFILE, CostProfile, load_profile
+
 BatchingStrategy = Literal["inflight", "static"]
 SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
 ChunkingPolicy = Literal["first_come_first_served", "equal_progress"]
 EosModel = Literal["none", "lognormal"]
+Timing = Literal["real", "emulated"]
 
 # TensorRT-LLM spells the strategies this way in `gpt_model_type`; both spellings are accepted.
 _STRATEGY_ALIASES: dict[str, BatchingStrategy] = {
@@ -112,12 +119,35 @@ class EngineConfig(BaseModel):
         0.8, gt=0, le=4, description="Standard deviation of the log of the length."
     )
     eos_seed: int = Field(0, ge=0, lt=2**63, description="Seed of the length draws.")
+    timing: Timing = Field(
+        "real",
+        description="`real`: run the model (a step takes what it takes on this CPU); "
+        "`emulated`: a cheap deterministic token source, and each step lasts what the cost "
+        "profile says a GPU takes for it, times `time_scale` (engine/emulated.py).",
+    )
+    cost_profile: str = Field(
+        DEFAULT_PROFILE,
+        min_length=1,
+        description="Emulated timing's cost profile: a bundled name (h200-8b-bf16, "
+        "a100-8b-awq) or a profile file's path.",
+    )
+    time_scale: float = Field(
+        1.0,
+        ge=1.0,
+        le=1000.0,
+        description="Emulated timing: a step takes its modelled time times this of wall time, "
+        "so a small machine keeps up with a GPU's rates (loads and SLOs scale with it).",
+    )
     model: ModelSpec = Field(default_factory=ModelSpec, description="Model shape.")
 
     @property
     def num_blocks(self) -> int:
         """Blocks in the KV pool."""
         return self.max_tokens_in_paged_kv_cache // self.tokens_per_block
+
+    def profile(self) -> CostProfile:
+        """The cost profile emulated timing keeps (ValueError if it cannot be read)."""
+        return load_profile(self.cost_profile)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -141,6 +171,8 @@ class EngineConfig(BaseModel):
             )
         if self.end_id >= self.model.vocab_size or self.pad_id >= self.model.vocab_size:
             raise ValueError("end_id and pad_id must lie inside the vocabulary")
+        if self.timing == "emulated":
+            self.profile()  # a profile that cannot be read fails the model's load, by name
         return self
 
     @classmethod
@@ -166,6 +198,8 @@ class EngineConfig(BaseModel):
                 top[key] = value
             else:
                 raise ValueError(f"unknown engine parameter {key!r}")
+        if top.get("timing", "real").strip() == "emulated":
+            top = {**_profile_shape(top.get("cost_profile", DEFAULT_PROFILE)), **top}
         try:
             return cls(**top, model=ModelSpec(**model))
         except ValidationError as exc:
@@ -173,3 +207,20 @@ class EngineConfig(BaseModel):
                 f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
             )
             raise ValueError(f"invalid engine parameters: {problems}") from None
+
+
+def _profile_shape(spec: str) -> dict[str, Any]:
+    """The engine parameters a cost profile sets where the config leaves them out."""
+    try:
+        profile = load_profile(spec.strip())
+    except ValueError as exc:
+        raise ValueError(f"parameter cost_profile: {exc}") from None
+    return {
+        "max_num_sequences": profile.max_num_sequences,
+        "max_num_tokens": profile.max_num_tokens,
+        "tokens_per_block": profile.tokens_per_block,
+        "max_tokens_in_paged_kv_cache": profile.total_blocks * profile.tokens_per_block,
+        "enable_chunked_context": True,
+        "context_chunking_policy": profile.context_chunking_policy,
+        "max_queue_size": profile.max_queue_size,
+    }

@@ -4,6 +4,8 @@ Any thread may `submit` (answered at once: queued, or an `EngineError`) or `stop
 The loop then repeats: apply stops and client cancellations, plan an iteration, run the model
 (outside the lock, so intake never waits on a forward pass), commit the sampled tokens, and hand
 each row's output to the `Sink`, which speaks the server's protocol (Triton, or a test list).
+Under emulated timing (engine/emulated.py) the model is a token source and a `StepPacer` holds
+each iteration, from the top of its turn, to the cost profile's time for it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Protocol
 
 from scheduler_svc.engine.batcher import Batcher, Plan, Sampled, TokenCounts, Update, Work
 from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.emulated import StepPacer, TokenSource
 from scheduler_svc.engine.errors import EngineError
 from scheduler_svc.engine.request import (
     EngineRequest,
@@ -56,6 +59,8 @@ class EngineStats:
     empty_generation_slots: int
     iteration: int
     counts: TokenCounts
+    rows_total: int = 0  # sequences run, summed over iterations (rows per step = / iteration)
+    overrun_steps: int = 0  # emulated steps whose real work outlasted their modelled time
 
 
 class Sink(Protocol):
@@ -96,8 +101,15 @@ def _log_probs(seq: Sequence, values: Iterable[float]) -> list[float] | None:
 class Engine:
     """Drives a `Batcher` and a model runner on a background thread."""
 
-    def __init__(self, cfg: EngineConfig, sink: Sink, runner: Callable[[], Runner]) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        sink: Sink,
+        runner: Callable[[], Runner],
+        pacer: StepPacer | None = None,
+    ) -> None:
         self.cfg = cfg
+        self._pacer = pacer
         self._sink = sink
         self._runner_factory = runner
         self._batcher = Batcher(cfg)
@@ -106,6 +118,7 @@ class Engine:
         self._stops: list[str] = []
         self._closing = False
         self._iteration = 0
+        self._rows_total = 0
         self._last_publish = 0.0
         self._published: EngineStats | None = None
         self._last_plan = Plan(())
@@ -185,6 +198,8 @@ class Engine:
     def _turn(self) -> None:
         """One pass of the loop: intake, plan, run, deliver."""
         self._beat = time.monotonic()
+        if self._pacer is not None:
+            self._pacer.begin()  # the step's time runs from here
         with self._lock:
             in_flight = self._batcher.requests
         # Asking the server about clients is I/O: never done while holding the lock.
@@ -200,6 +215,8 @@ class Engine:
             self._iterate(plan, tables)
             return
         self._last_plan = plan
+        if self._pacer is not None:
+            self._pacer.idle()
         self._maybe_publish(force=True)
         with self._wake:
             # Sleep only if nothing arrived since `schedule` looked: a submit in between has
@@ -213,9 +230,12 @@ class Engine:
         except Exception as exc:  # a model bug must not take the instance down
             self._fail_everything(EngineError(f"engine step failed: {exc!r}"))
             return
+        if self._pacer is not None:
+            self._pacer.finish(plan.works)  # the GPU's time for this step has passed
         with self._lock:
             updates = self._batcher.commit(plan, sampled.tokens, sampled.log_probs)
             self._iteration += 1
+            self._rows_total += len(plan.works)
             self._last_plan = plan
         self._deliver(updates)
         self._maybe_publish(force=False)
@@ -335,4 +355,22 @@ class Engine:
             empty_generation_slots=sum(1 for w in plan.works if not w.emits),
             iteration=self._iteration,
             counts=replace(batcher.counts),
+            rows_total=self._rows_total,
+            overrun_steps=self._pacer.overruns if self._pacer is not None else 0,
         )
+
+
+def build_engine(cfg: EngineConfig, sink: Sink) -> Engine:
+    """The engine `cfg` describes: the model on this CPU, or (timing: emulated) a token source
+    held to the cost profile's step times."""
+    if cfg.timing == "emulated":
+        pacer = StepPacer(cfg.profile(), cfg.time_scale)
+        return Engine(cfg, sink, lambda: TokenSource(cfg), pacer)
+
+    def model() -> Runner:
+        # torch loads only for an engine that runs the model.
+        from scheduler_svc.engine.runner import ModelRunner  # noqa: PLC0415
+
+        return ModelRunner(cfg)
+
+    return Engine(cfg, sink, model)

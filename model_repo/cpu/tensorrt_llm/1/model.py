@@ -3,7 +3,8 @@
 Speaks TensorRT-LLM's `tensorrt_llm` contract: decoupled, one response per row (with
 `batch_index`), new tokens per response when streaming, all tokens at the end otherwise; a
 request with `stop=true` ends the in-flight request with the same id. Statistics are exported
-on Triton's metrics port under TensorRT-LLM's metric names.
+on Triton's metrics port under TensorRT-LLM's metric names. The same file serves the emulated
+engine (`timing: emulated`, model_repo/emulated): only the engine behind it differs.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import triton_python_backend_utils as pb_utils
 
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.contract import parse_request
-from scheduler_svc.engine.engine import Engine, EngineStats
+from scheduler_svc.engine.engine import EngineStats, build_engine
 from scheduler_svc.engine.errors import EngineError
 from scheduler_svc.engine.request import EngineRequest, Sequence
-from scheduler_svc.engine.runner import ModelRunner
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -123,6 +123,20 @@ class _Metrics:
             how: ended.Metric(labels={"how": how, **labels})
             for how in ("stopped", "cancelled", "failed")
         }
+        self.rows_total = new_family(
+            "scheduler_svc_engine_step_rows_total",
+            "Sequences the reference engine ran, summed over its iterations "
+            "(rows per step: this over nv_trt_llm_general_metrics iteration_counter)",
+            counter,
+        ).Metric(labels=labels)
+        self.overruns = None
+        if cfg.timing == "emulated":
+            self.overruns = new_family(
+                "scheduler_svc_engine_step_overruns_total",
+                "Emulated steps whose real work outlasted their modelled time x time_scale "
+                "(a benchmark with more than 1 % of them is invalid)",
+                counter,
+            ).Metric(labels=labels)
         self.cached_tokens = new_family(
             "scheduler_svc_engine_kv_cached_tokens",
             "Token slots of the used KV blocks that hold a key; the rest are allocated but unused",
@@ -169,6 +183,9 @@ class _Metrics:
         self._bump(self.ended["stopped"], "stopped", c.stopped_total)
         self._bump(self.ended["cancelled"], "cancelled", c.cancelled_total)
         self._bump(self.ended["failed"], "failed", c.failed_total)
+        self._bump(self.rows_total, "rows", s.rows_total)
+        if self.overruns is not None:
+            self._bump(self.overruns, "overruns", s.overrun_steps)
 
     def _set(self, metric: Any, value: float) -> None:
         """Set a gauge only when it changed: each set is a round trip to the Triton process."""
@@ -207,12 +224,16 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._by_triton_id: dict[str, set[str]] = {}
         self._ids_lock = threading.Lock()
-        self.engine = Engine(self.cfg, self, lambda: ModelRunner(self.cfg))
+        self.engine = build_engine(self.cfg, self)
         self.engine.start()
+        timing = "the model on this CPU"
+        if self.cfg.timing == "emulated":
+            timing = f"emulated {self.cfg.cost_profile} x {self.cfg.time_scale:g}"
         pb_utils.Logger.log_info(
             f"reference engine ready: {self.cfg.batching_strategy} batching, "
             f"{self.cfg.batch_scheduler_policy}, {self.cfg.num_blocks} KV blocks of "
-            f"{self.cfg.tokens_per_block} tokens"
+            f"{self.cfg.tokens_per_block} tokens, {self.cfg.max_num_sequences} sequences, "
+            f"timing: {timing}"
         )
 
     def execute(self, requests: list[Any]) -> None:

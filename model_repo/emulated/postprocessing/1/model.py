@@ -1,0 +1,1 @@
+../../../cpu/postprocessing/1/model.py

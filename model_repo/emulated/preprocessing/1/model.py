@@ -1,0 +1,1 @@
+../../../cpu/preprocessing/1/model.py

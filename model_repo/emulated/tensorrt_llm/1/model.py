@@ -1,0 +1,1 @@
+../../../cpu/tensorrt_llm/1/model.py
