@@ -27,6 +27,10 @@ from scheduler_svc.core.routing import (
 )
 from scheduler_svc.errors import ConfigError
 
+# Requests in flight until the engine's profile has been read (none is dispatched before then);
+# queue.max_in_flight null follows the engine from then on.
+UNREAD_MAX_IN_FLIGHT = 16
+
 
 class _Frozen(BaseModel):
     # Strict: an integer field takes an integer (not "3", not 1.5, not true); floats are finite.
@@ -192,8 +196,13 @@ class QueueConfig(_Frozen):
         "lane name); a hint not listed lets the prompt length choose.",
     )
     max_queued: int = Field(256, ge=0, le=1_000_000, description="Requests allowed to wait.")
-    max_in_flight: int = Field(
-        16, ge=1, le=100_000, description="Requests dispatched to the backend at once."
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Requests dispatched to the backend at once; null: as many sequences as "
+        "the engine runs (its max_num_sequences, else Triton's max_batch_size, times its "
+        "instances), read from its profile.",
     )
     retry_after_s: float = Field(
         0.5, ge=0, le=3600, description="Retry hint sent with RESOURCE_EXHAUSTED."
@@ -566,7 +575,7 @@ class SidecarConfig(_Frozen):
         """The core's config: the `policy` section over the defaults, with the sidecar's own
         limits (queue.max_in_flight, queue.retry_after_s) where the section leaves them out."""
         defaults = PolicyConfig(
-            kv=KvConfig(max_in_flight=self.queue.max_in_flight),
+            kv=KvConfig(max_in_flight=self.queue.max_in_flight or UNREAD_MAX_IN_FLIGHT),
             retry_after_s=self.queue.retry_after_s,
             max_queued=self.queue.max_queued,
         )
@@ -574,7 +583,8 @@ class SidecarConfig(_Frozen):
 
     def policy_for_engine(self, base: PolicyConfig, engine: EngineProfile) -> PolicyConfig:
         """`base` with what the engine's profile decides, where the `policy` section does not
-        pin it: a static engine gets no continuous batching and as many batches in flight as
+        pin it: as many requests in flight as the engine runs sequences (queue.max_in_flight
+        null); a static engine gets no continuous batching and as many batches in flight as
         it runs at once; an in-flight engine batches continuously with no batch limit, and
         lane shares bound its unprefilled prompt tokens within two steps' budget (max_num_tokens,
         where it says). A static engine refuses a request with more rows than it runs
@@ -585,6 +595,14 @@ class SidecarConfig(_Frozen):
         max_utilization)."""
         static = engine.batching is Batching.STATIC
         changes: dict[str, Any] = {}
+        pinned = self.policy.get("kv")
+        kv_pins = pinned if isinstance(pinned, Mapping) else {}
+        if self.queue.max_in_flight is None and "max_in_flight" not in kv_pins:
+            # As many sequences as the engine runs: a 256-sequence engine is not held to 16.
+            base = dataclasses.replace(
+                base, kv=dataclasses.replace(base.kv, max_in_flight=engine.sequences())
+            )
+            changes["kv"] = base.kv
         if "continuous_batching" not in self.policy:
             changes["continuous_batching"] = not static
         if "max_batches_in_flight" not in self.policy:
@@ -597,8 +615,7 @@ class SidecarConfig(_Frozen):
             rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)
             if rows != base.kv.max_in_flight:
                 changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
-        pinned = self.policy.get("kv")
-        if not static and not (isinstance(pinned, Mapping) and "reserve_max_tokens" in pinned):
+        if not static and "reserve_max_tokens" not in kv_pins:
             # The mirror reserves as the engine allocates: prompt + max_tokens under
             # guaranteed_no_evict, the predicted output under max_utilization.
             kv = changes.get("kv", base.kv)

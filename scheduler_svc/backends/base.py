@@ -38,6 +38,12 @@ class EngineProfile:
     # guaranteed_no_evict, its default) rather than allocating as tokens come (max_utilization).
     reserves_max_tokens: bool = True
 
+    def sequences(self) -> int:
+        """Sequences the engine runs at once: its max_num_sequences where it says, else
+        Triton's max_batch_size (TensorRT-LLM's engine batch), times the batches it runs at
+        once (instances x endpoints)."""
+        return (self.max_num_sequences or self.max_batch_size) * self.batches_at_once
+
 
 @dataclass(frozen=True)
 class GenerationInput:

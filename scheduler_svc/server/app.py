@@ -30,7 +30,7 @@ from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.chat import ChatTemplate
-from scheduler_svc.config import BackendGroup, SidecarConfig, TritonConfig
+from scheduler_svc.config import UNREAD_MAX_IN_FLIGHT, BackendGroup, SidecarConfig, TritonConfig
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.routing import DEFAULT_GROUP
@@ -67,7 +67,8 @@ def is_loopback(host: str) -> bool:
 
 def make_scheduler(cfg: SidecarConfig) -> Scheduler:
     if cfg.queue.scheduler == "fifo":
-        return FifoScheduler(cfg.queue.max_queued, cfg.queue.max_in_flight, cfg.queue.retry_after_s)
+        rows = cfg.queue.max_in_flight or UNREAD_MAX_IN_FLIGHT
+        return FifoScheduler(cfg.queue.max_queued, rows, cfg.queue.retry_after_s)
     return PolicyScheduler(cfg.policy_config())
 
 
@@ -401,6 +402,16 @@ class Sidecar:
                     scheduler.observe_kv(profile.kv_free_blocks, profile.kv_total_blocks, now)
 
             await self.loop.call(change)
+        elif (
+            isinstance(self.loop.scheduler, FifoScheduler) and self.cfg.queue.max_in_flight is None
+        ):
+            rows = profile.sequences()
+
+            def resize(scheduler: Scheduler, now: float) -> None:
+                assert isinstance(scheduler, FifoScheduler)
+                scheduler.max_in_flight = rows  # as many as the engine runs
+
+            await self.loop.call(resize)
         self.profile = profile
         log.info(
             "engine profile",

@@ -18,7 +18,7 @@ def test_defaults_yaml_and_overrides_merge(tmp_path: Path) -> None:
     path.write_text("queue:\n  max_queued: 7\nserver:\n  port: 6000\n")
     cfg = load_config(path, {"server": {"port": 0}, "triton": {"url": "triton:8001"}})
     assert cfg.queue.max_queued == 7
-    assert cfg.queue.max_in_flight == 16  # untouched default
+    assert cfg.queue.max_in_flight is None  # untouched default: as many as the engine runs
     assert cfg.server.port == 0  # the override wins
     assert cfg.triton.url == "triton:8001"
     with pytest.raises(Exception, match="frozen"):
@@ -113,3 +113,21 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert not held.kv.reserve_max_tokens  # static batches: as before
     mine = load_config(None, {"policy": {"kv": {"reserve_max_tokens": False}}})
     assert not mine.policy_for_engine(mine.policy_config(), inflight).kv.reserve_max_tokens
+
+
+def test_requests_in_flight_follow_the_engine_unless_pinned() -> None:
+    """queue.max_in_flight null: as many requests in flight as the engine runs sequences (a
+    256-sequence engine is not held to 16); a pinned number, in queue or policy.kv, stays."""
+    big = EngineProfile(Batching.INFLIGHT, max_batch_size=64, max_num_sequences=256)
+    trtllm = EngineProfile(Batching.INFLIGHT, max_batch_size=64, batches_at_once=2)
+    static = EngineProfile(Batching.STATIC, max_batch_size=8, max_num_sequences=16)
+    cfg = load_config(None)
+    base = cfg.policy_config()
+    assert base.kv.max_in_flight == 16  # until the engine's profile is read
+    assert cfg.policy_for_engine(base, big).kv.max_in_flight == 256
+    # TensorRT-LLM states no max_num_sequences: its engine batch is Triton's max_batch_size.
+    assert cfg.policy_for_engine(base, trtllm).kv.max_in_flight == 128
+    assert cfg.policy_for_engine(base, static).kv.max_in_flight == 8  # one batch's rows
+    for pinned in ({"queue": {"max_in_flight": 24}}, {"policy": {"kv": {"max_in_flight": 24}}}):
+        mine = load_config(None, pinned)
+        assert mine.policy_for_engine(mine.policy_config(), big).kv.max_in_flight == 24
