@@ -4,9 +4,11 @@ step = floor + per_row * rows + per_context_token * (rows * context per row)
        + per_prompt_token * prompt tokens
 
 fitted by least squares on the relative error (each point weighted by 1 / its time squared), so a
-6 ms decode step counts as much as a 70 ms packed one. The normal equations are solved on
-columns scaled to a largest entry of 1 (their raw scales differ by five orders of magnitude),
-with partial pivoting. Standard library only.
+6 ms decode step counts as much as a 70 ms packed one, with no cost negative: a term whose fitted
+cost comes out below zero (noise on a small shape) is held at zero and the rest fitted again.
+The normal equations are solved on columns scaled to a largest entry of 1 (their raw scales
+differ by five orders of magnitude), with partial pivoting. Standard library only;
+benchmarks/gpu_profile.py fits the same way with torch, and a test checks that they agree.
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return out
 
 
+def _least_squares(rows: list[list[float]], active: list[int]) -> list[float]:
+    """Coefficients of the `active` terms (the others 0) minimising sum (row . c - 1)^2."""
+    normal = [[sum(r[i] * r[j] for r in rows) for j in active] for i in active]
+    rhs = [sum(r[i] for r in rows) for i in active]
+    solved = _solve(normal, rhs)
+    out = [0.0] * _TERMS
+    for index, value in zip(active, solved, strict=True):
+        out[index] = value
+    return out
+
+
 def fit_steps(points: Sequence[StepPoint]) -> StepFit:
     """The step model's four constants, and how far the points lie from it."""
     if len(points) < _TERMS:
@@ -79,16 +92,18 @@ def fit_steps(points: Sequence[StepPoint]) -> StepFit:
         raise ValueError("every measured step must take a positive time")
     features = [p.features() for p in points]
     scale = [max(abs(f[i]) for f in features) or 1.0 for i in range(_TERMS)]
-    normal = [[0.0] * _TERMS for _ in range(_TERMS)]
-    rhs = [0.0] * _TERMS
-    for f, p in zip(features, points, strict=True):
-        # Relative error: divide the row and the target by the measured time.
-        x = [f[i] / scale[i] / p.seconds for i in range(_TERMS)]
-        for i in range(_TERMS):
-            rhs[i] += x[i]
-            for j in range(_TERMS):
-                normal[i][j] += x[i] * x[j]
-    solved = _solve(normal, rhs)
+    # Relative error: each row and its target (1) divided by the measured time.
+    rows = [
+        [f[i] / scale[i] / p.seconds for i in range(_TERMS)]
+        for f, p in zip(features, points, strict=True)
+    ]
+    active = list(range(_TERMS))
+    while True:
+        solved = _least_squares(rows, active)
+        negative = [i for i in active[1:] if solved[i] < 0]  # the floor is always fitted
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: solved[i]))
     floor_s, per_row, per_context, per_prompt = (solved[i] / scale[i] for i in range(_TERMS))
     fit = StepFit(floor_s, per_row, per_context, per_prompt, 0.0, 0.0)
     errors = [abs(fit.predict(p) - p.seconds) / p.seconds for p in points]
