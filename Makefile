@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core simulate simulate-kv sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core bench-agree bench-emulated bench-emulated-timing simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -36,9 +36,11 @@ $(GEN): $(STAMP) $(PROTOS) scheduler_svc/protogen.py
 	@touch $(GEN)
 
 # The main job on the embedded default: real Triton on the CPU serving the reference engine,
-# and the sidecar in front of it.
+# and the sidecar in front of it. `make run MODEL_REPO=model_repo/emulated` serves the engine
+# with an H200's emulated step times instead (model_repo/README.md).
+MODEL_REPO ?= model_repo/cpu
 run: $(GEN)
-	$(BIN)/scheduler-svc run --model-repo model_repo/cpu
+	$(BIN)/scheduler-svc run --model-repo $(MODEL_REPO)
 
 test: lint typecheck unit integration
 
@@ -71,6 +73,19 @@ bench-quick: $(GEN)
 # QPS at the P99 SLO under KV pressure (issue 15): guaranteed_no_evict and max_utilization.
 bench-kv: $(GEN)
 	$(BIN)/scheduler-svc bench --plan kv
+
+# On a GPU-shaped engine (issue 27): the reference engine with emulated H200 step times.
+# The simulator against the live stack on the same profile (~15 min):
+bench-agree: $(GEN)
+	$(BIN)/scheduler-svc bench --engine-profile h200-8b-bf16 --plan agree
+
+# The source document's table on the profile: QPS at the P99 SLO, the burst, the overhead (~45 min).
+bench-emulated: $(GEN)
+	$(BIN)/scheduler-svc bench --engine-profile h200-8b-bf16 --plan document
+
+# Whether the emulated engine keeps its profile's time under real Triton (~3 min).
+bench-emulated-timing: $(GEN)
+	$(BIN)/python benchmarks/emulated_timing.py
 
 # Engine timing (a benchmark, never a test): writes figures for model_repo/README.md.
 bench-engine: $(GEN)

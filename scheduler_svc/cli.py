@@ -210,6 +210,11 @@ GOLDEN_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "sim_gold
 def _bench(args: argparse.Namespace) -> int:
     from scheduler_svc.bench import plan, run  # noqa: PLC0415 - only this command needs it
 
+    if args.engine_profile:
+        return _bench_emulated(args)
+    args.plan = args.plan or "full"
+    if args.plan not in plan.PLANS:
+        raise ConfigError(f"--plan {args.plan} needs --engine-profile (CPU plans: full, slo, kv)")
     chosen = plan.QUICK if args.quick else plan.PLANS[args.plan]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir = Path(args.out) if args.out else Path("results") / "bench" / f"{chosen.name}-{stamp}"
@@ -219,6 +224,44 @@ def _bench(args: argparse.Namespace) -> int:
     results = run.run(chosen, out_dir, seed=args.seed, command=command)
     print((out_dir / "results.md").read_text())
     print(f"wrote {out_dir}/results.json, results.md and {len(results['plots'])} plots")
+    return 0
+
+
+def _bench_emulated(args: argparse.Namespace) -> int:
+    from scheduler_svc.bench import emulated, emulated_run  # noqa: PLC0415
+    from scheduler_svc.profiles import load_profile  # noqa: PLC0415
+
+    plan = args.plan or "agree"
+    name = "quick" if args.quick else plan if plan in emulated.PLANS else None
+    if name is None:
+        raise ConfigError(
+            f"--plan {plan}: with --engine-profile choose {', '.join(emulated.PLANS)}"
+        )
+    if args.time_scale is not None and args.time_scale < 1:
+        raise ConfigError(f"--time-scale must be at least 1 (got {args.time_scale})")
+    try:
+        profile = load_profile(args.engine_profile)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    default = Path("results") / "bench" / f"{profile.name}-{name}-{stamp}"
+    out_dir = Path(args.out) if args.out else default
+    command = f"scheduler-svc bench --engine-profile {args.engine_profile} --plan {name}"
+    if args.time_scale is not None:
+        command += f" --time-scale {args.time_scale:g}"
+    if args.seed:
+        command += f" --seed {args.seed}"
+    emulated_run.run(
+        emulated.PLANS[name],
+        args.engine_profile,
+        profile,
+        args.time_scale,
+        out_dir,
+        seed=args.seed,
+        command=command,
+    )
+    print((out_dir / "results.md").read_text())
+    print(f"wrote {out_dir}/results.json and results.md")
     return 0
 
 
@@ -519,6 +562,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_bench_command(commands: Any) -> None:
+    """`bench`: Triton alone against the sidecar, on the CPU engine or an emulated GPU."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure Triton alone against the sidecar (FIFO and policy) on the embedded stack",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="one mix, two loads, the burst (<3 min)"
+    )
+    bench.add_argument(
+        "--plan",
+        choices=("full", "slo", "kv", "agree", "document"),
+        default=None,
+        help="on the CPU engine: full (the default: every mix, load and QPS-at-SLO search), "
+        "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "
+        "under KV pressure); with --engine-profile: agree (the default: the simulator against "
+        "the live stack) or document (the source document's table on the profile)",
+    )
+    bench.add_argument(
+        "--engine-profile",
+        help="run on the reference engine with emulated timing from this cost profile (a "
+        "bundled name, h200-8b-bf16 or a100-8b-awq, or a profile file)",
+    )
+    bench.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="with --engine-profile: each engine step takes its modelled time x this of wall "
+        "time (arrivals slow and timers stretch with it); default: per mix, so that at its "
+        "capacity the stack streams ~400 tokens a wall second",
+    )
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", help="results folder (default: results/bench/<plan>-<time>)")
+    bench.set_defaults(func=_bench)
+
+
 def _add_tool_commands(commands: Any) -> None:
     """Commands that need no running sidecar: simulate, model-repo, health."""
     sim = commands.add_parser(
@@ -566,24 +645,7 @@ def _add_tool_commands(commands: Any) -> None:
     )
     sim.set_defaults(func=_simulate)
 
-    bench = commands.add_parser(
-        "bench",
-        help="measure Triton alone against the sidecar (FIFO and policy) on the embedded stack",
-    )
-    bench.add_argument(
-        "--quick", action="store_true", help="one mix, two loads, the burst (<3 min)"
-    )
-    bench.add_argument(
-        "--plan",
-        choices=("full", "slo", "kv"),
-        default="full",
-        help="full: every mix, load and QPS-at-SLO search; slo: QPS at the P99 SLO on the "
-        "static engine with longer trials; kv: QPS at the P99 SLO under KV pressure (a "
-        "generous max_tokens, guaranteed_no_evict and max_utilization)",
-    )
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", help="results folder (default: results/bench/<plan>-<time>)")
-    bench.set_defaults(func=_bench)
+    _add_bench_command(commands)
 
     repo = commands.add_parser("model-repo", help="render or check a Triton model repository")
     repo_commands = repo.add_subparsers(dest="repo_command", required=True)

@@ -266,8 +266,10 @@ def engine_value(samples: dict[Any, float], name: str, model: str, **labels: str
 
 
 def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
-    """Tokens so far by (phase, kind): context or generation, processed or useful; and, under
-    ("paused", ""), the sequences the CPU engine has paused to free KV blocks."""
+    """Tokens so far by (phase, kind): context or generation, processed or useful; under
+    ("paused", ""), the sequences the engine has paused to free KV blocks; under ("steps", ""),
+    ("rows", "") and ("overruns", ""), its iterations, the rows they ran and the emulated steps
+    that overran their modelled time."""
     samples = scrape(metrics_url)
     name = "scheduler_svc_engine_tokens_total"
     counts = {
@@ -277,6 +279,14 @@ def token_counts(metrics_url: str, model: str) -> dict[tuple[str, str], float]:
     }
     paused = "scheduler_svc_engine_paused_requests_total"
     counts["paused", ""] = engine_value(samples, paused, model)
+    general = "nv_trt_llm_general_metrics"
+    counts["steps", ""] = engine_value(samples, general, model, general_type="iteration_counter")
+    counts["rows", ""] = engine_value(samples, "scheduler_svc_engine_step_rows_total", model)
+    overruns = "scheduler_svc_engine_step_overruns_total"
+    counts["overruns", ""] = engine_value(samples, overruns, model)
+    for key in ("paced", "work"):
+        name = f"scheduler_svc_engine_step_{key}_seconds_total"
+        counts[key, ""] = engine_value(samples, name, model)
     return counts
 
 
@@ -305,6 +315,11 @@ class EngineSampler:
         self.delta.generation_processed = moved["generation", "processed"]
         self.delta.generation_useful = moved["generation", "useful"]
         self.delta.paused = moved["paused", ""]
+        self.delta.steps = moved["steps", ""]
+        self.delta.rows = moved["rows", ""]
+        self.delta.overruns = moved["overruns", ""]
+        self.delta.paced_s = moved["paced", ""]
+        self.delta.work_s = moved["work", ""]
 
     def _run(self) -> None:
         kv, req = "nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metrics"
@@ -363,19 +378,22 @@ _TRITON_REFUSALS = ("maximum queue size", "queue is full", "timeout expired")
 
 
 class TritonClient:
-    """Triton's own streaming protocol, straight to the engine model."""
+    """Triton's own streaming protocol, straight to the engine model; with `priority`, each
+    request carries its urgency as Triton's priority (for a model with priority levels)."""
 
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, priority: bool = True) -> None:
         self.channel = grpc.aio.insecure_channel(url)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.model = model
+        self.priority = priority
 
     async def send(self, r: BenchRequest, deadline_s: float) -> Outcome:
         message = build_request(
             self.model,
             GenerationInput(r.request_id, r.prompt, r.max_tokens, end_id=END_ID, pad_id=PAD_ID),
         )
-        message.parameters["priority"].uint64_param = TRITON_PRIORITY[r.urgency]
+        if self.priority:
+            message.parameters["priority"].uint64_param = TRITON_PRIORITY[r.urgency]
         out = Outcome(r.lane, len(r.prompt))
         start = time.monotonic()
 

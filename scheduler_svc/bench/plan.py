@@ -320,12 +320,27 @@ class EngineDelta:
     generation_useful: float = 0.0
     paused: float = 0.0  # sequences the engine paused (freed, to recompute later) to free KV
     kv_used: list[float] = field(default_factory=list)  # used / total KV blocks, sampled
+    steps: float = 0.0  # engine iterations
+    rows: float = 0.0  # sequences those iterations ran, summed
+    overruns: float = 0.0  # emulated steps whose real work outlasted their modelled time
+    paced_s: float = 0.0  # wall seconds emulated steps were held to
+    work_s: float = 0.0  # ... and the engine's own work inside them
 
     def padding(self) -> float | None:
         return _waste(self.processed_tokens, self.useful_tokens)
 
     def generation_waste(self) -> float | None:
         return _waste(self.generation_processed, self.generation_useful)
+
+    def rows_per_step(self) -> float | None:
+        return round(self.rows / self.steps, 2) if self.steps else None
+
+    def overrun_share(self) -> float | None:
+        return round(self.overruns / self.steps, 4) if self.steps else None
+
+    def work_share(self) -> float | None:
+        """How much of its emulated steps the engine's own work filled (its headroom)."""
+        return round(self.work_s / self.paced_s, 4) if self.paced_s else None
 
 
 def _waste(processed: float, useful: float) -> float | None:
@@ -395,6 +410,9 @@ def summarize(
         # Pauses per request sent: at most the share of requests paused (one may be paused
         # more than once).
         "pauses_per_request": round(engine.paused / len(outcomes), 4) if outcomes else None,
+        "rows_per_step": engine.rows_per_step(),
+        "overrun_share": engine.overrun_share(),
+        "engine_work_share": engine.work_share(),
         "send_lag_p99_ms": to_ms(percentile(lags, 99)),
     }
 

@@ -16,7 +16,7 @@ KV_ENGINE_NAMES = {
 }
 
 
-def _fmt(value: Any, unit: str = "") -> str:
+def fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -25,11 +25,11 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "–" if value is None else f"{value * 100:.1f}%"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     return out
@@ -94,15 +94,15 @@ def headline(results: dict[str, Any], engine: str, mix: str, load: float) -> lis
     rows = []
     for name, get, unit in HEADLINE:
         values = [get(by_target[t]) if t in by_target else None for t in targets]
-        cells = [_pct(v) if unit == "%" else _fmt(v, unit) for v in values]
+        cells = [pct(v) if unit == "%" else fmt(v, unit) for v in values]
         r = ratio(values[2], values[0]) if unit != "%" and name not in NO_RATIO else None
-        rows.append([name, *cells, _fmt(r, "×")])
+        rows.append([name, *cells, fmt(r, "×")])
         if name == "hot P99 TTFT" and unloaded.get("hot"):
             # The issue 14 target: a short prompt's P99 against its unloaded median.
             times = [ratio(v, unloaded["hot"]) for v in values]
-            rows.append(["hot P99 TTFT ÷ unloaded", *(_fmt(t, "×") for t in times), ""])
+            rows.append(["hot P99 TTFT ÷ unloaded", *(fmt(t, "×") for t in times), ""])
     header = ["", *(TARGET_NAMES[t] for t in targets), "policy ÷ Triton"]
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def all_runs(results: dict[str, Any]) -> list[str]:
@@ -116,7 +116,7 @@ def all_runs(results: dict[str, Any]) -> list[str]:
     for r in results["runs"]:
         s = r["summary"]
         lanes = [
-            f"{_fmt(_lane(s, lane, 'ttft_p50_ms'))} / {_fmt(_lane(s, lane, 'ttft_p99_ms'))}"
+            f"{fmt(_lane(s, lane, 'ttft_p50_ms'))} / {fmt(_lane(s, lane, 'ttft_p99_ms'))}"
             if lane in s["lanes"]
             else "–"
             for lane in LANES
@@ -124,14 +124,14 @@ def all_runs(results: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 r["engine"], r["mix"], f"{r['load']:g}×", TARGET_NAMES[r["target"]],
-                _fmt(r["offered_rps"]), _fmt(s["goodput_rps"]), _fmt(s["throughput_rps"]),
-                *lanes, _fmt(_worst_lane(s, "e2e_p99_ms")), _pct(s["padding_ratio"]),
-                _pct(s.get("generation_waste")), _pct(s["slot_occupancy"]),
-                _pct(s["kv_fragmentation"]),
+                fmt(r["offered_rps"]), fmt(s["goodput_rps"]), fmt(s["throughput_rps"]),
+                *lanes, fmt(_worst_lane(s, "e2e_p99_ms")), pct(s["padding_ratio"]),
+                pct(s.get("generation_waste")), pct(s["slot_occupancy"]),
+                pct(s["kv_fragmentation"]),
                 str(s["rejected_fast"]), str(s["rejected_queued"]), str(s["failed"]),
             ]
         )  # fmt: skip
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def calibration(results: dict[str, Any]) -> list[str]:
@@ -144,15 +144,15 @@ def calibration(results: dict[str, Any]) -> list[str]:
                 [
                     engine,
                     mix,
-                    _fmt(rps),
-                    " / ".join(_fmt(ttft.get(lane)) for lane in LANES),
-                    " / ".join(_fmt(slo.get(lane)) for lane in LANES),
+                    fmt(rps),
+                    " / ".join(fmt(ttft.get(lane)) for lane in LANES),
+                    " / ".join(fmt(slo.get(lane)) for lane in LANES),
                 ]
             )
     header = [
         "engine", "mix", "capacity (req/s)", "unloaded TTFT hot/warm/cold ms", "SLO TTFT ms",
     ]  # fmt: skip
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def overhead(results: dict[str, Any]) -> list[str]:
@@ -161,13 +161,15 @@ def overhead(results: dict[str, Any]) -> list[str]:
         [
             TARGET_NAMES[t],
             str(o[t]["n"]),
-            _fmt(o[t]["e2e_p50_ms"], " ms"),
-            _fmt(o[t]["e2e_p99_ms"], " ms"),
-            _fmt(o[t]["added_p50_ms"], " ms"),
+            fmt(o[t]["e2e_p50_ms"], " ms"),
+            fmt(o[t]["e2e_p99_ms"], " ms"),
+            fmt(o[t]["added_p50_ms"], " ms"),
         ]
         for t in TARGETS
     ]
-    return _table(["target", "requests", "P50 end-to-end", "P99 end-to-end", "added P50"], rows)
+    return table_lines(
+        ["target", "requests", "P50 end-to-end", "P99 end-to-end", "added P50"], rows
+    )
 
 
 def _searched(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
@@ -184,9 +186,9 @@ def qps_at_slo(results: dict[str, Any]) -> list[str]:
     for (engine, mix), by_target in _searched(results).items():
         qps = [by_target.get(t, {}).get("qps_at_slo") for t in TARGETS]
         triton, policy = qps[0], qps[2]
-        rows.append([engine, mix, *(_fmt(q, "/s") for q in qps), _fmt(ratio(policy, triton), "×")])
+        rows.append([engine, mix, *(fmt(q, "/s") for q in qps), fmt(ratio(policy, triton), "×")])
     header = ["engine", "mix", *(TARGET_NAMES[t] for t in TARGETS), "policy ÷ Triton"]
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def slo_matrix(results: dict[str, Any], engine: str, mix: str) -> list[str]:
@@ -200,12 +202,12 @@ def slo_matrix(results: dict[str, Any], engine: str, mix: str) -> list[str]:
         rows.append(
             [
                 TARGET_NAMES[target],
-                _fmt(row["qps_at_slo"], "/s"),
-                _fmt(ratio(row["qps_at_slo"], base), "×"),
-                _fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
-                _pct(at.get("slot_occupancy")),
-                _pct(at.get("padding_ratio")),
-                _pct(at.get("generation_waste")),
+                fmt(row["qps_at_slo"], "/s"),
+                fmt(ratio(row["qps_at_slo"], base), "×"),
+                fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
+                pct(at.get("slot_occupancy")),
+                pct(at.get("padding_ratio")),
+                pct(at.get("generation_waste")),
                 str(len(row["trials"])),
             ]
         )
@@ -219,7 +221,7 @@ def slo_matrix(results: dict[str, Any], engine: str, mix: str) -> list[str]:
         "idle generation slots",
         "trials",
     ]
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def kv_pressure(results: dict[str, Any]) -> list[str]:
@@ -242,16 +244,16 @@ def kv_pressure(results: dict[str, Any]) -> list[str]:
             [
                 KV_ENGINE_NAMES.get(engine, engine),
                 TARGET_NAMES[target],
-                _fmt(row["qps_at_slo"], "/s"),
-                _fmt(ratio(row["qps_at_slo"], base), "×"),
-                _fmt(ratio(row["qps_at_slo"], same), "×"),
-                _fmt(at.get("goodput_rps"), "/s"),
-                _fmt(at.get("engine_pauses")),
-                _pct(at.get("pauses_per_request")),
-                _pct(at.get("kv_utilization")),
-                _pct(at.get("slot_occupancy")),
-                _fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
-                _fmt(_worst_lane(at, "tpot_p99_ms") if at else None, " ms"),
+                fmt(row["qps_at_slo"], "/s"),
+                fmt(ratio(row["qps_at_slo"], base), "×"),
+                fmt(ratio(row["qps_at_slo"], same), "×"),
+                fmt(at.get("goodput_rps"), "/s"),
+                fmt(at.get("engine_pauses")),
+                pct(at.get("pauses_per_request")),
+                pct(at.get("kv_utilization")),
+                pct(at.get("slot_occupancy")),
+                fmt(_worst_lane(at, "ttft_p99_ms") if at else None, " ms"),
+                fmt(_worst_lane(at, "tpot_p99_ms") if at else None, " ms"),
                 str(len(row["trials"])),
             ]
         )
@@ -270,7 +272,7 @@ def kv_pressure(results: dict[str, Any]) -> list[str]:
         "P99 time per output token",
         "trials",
     ]
-    return _table(header, rows)
+    return table_lines(header, rows)
 
 
 def top_load(results: dict[str, Any], engine: str, mix: str) -> float:

@@ -77,7 +77,7 @@ class Progress:
             self.stream.write("\n")
 
 
-def _wait_idle(metrics_url: str, model: str) -> None:
+def wait_idle(metrics_url: str, model: str) -> None:
     """Until the engine holds no request (a client's give-up reaches it within an iteration)."""
     deadline = time.monotonic() + IDLE_WAIT_S
     while time.monotonic() < deadline:
@@ -119,7 +119,7 @@ async def _calibrate(
                 finished = await closed_loop(
                     client, requests, concurrency, plan.calibrate_s, plan.deadline_s
                 )
-                _wait_idle(st.triton.metrics_url, model)
+                wait_idle(st.triton.metrics_url, model)
                 rates.append(P.sustained_rate(finished, plan.calibrate_s))
             capacity[mix] = max(rates)
             if not capacity[mix]:
@@ -176,7 +176,7 @@ async def _one_run(
     st: Stack, step: P.Step, target: str, requests: list[BenchRequest], plan: P.Plan
 ) -> tuple[list[P.Outcome], P.EngineDelta]:
     model = engine_model(step.engine)
-    _wait_idle(st.triton.metrics_url, model)
+    wait_idle(st.triton.metrics_url, model)
     client = _client(st, step.engine, target)
     try:
         with EngineSampler(st.triton.metrics_url, model) as sampler:
@@ -353,7 +353,7 @@ async def _warm_up(
         served = await each_once(client, requests, 2, plan.deadline_s)
     finally:
         await client.close()
-    _wait_idle(st.triton.metrics_url, engine_model(engine))
+    wait_idle(st.triton.metrics_url, engine_model(engine))
     progress.advance(f"warmed up {P.TARGET_NAMES[target]} on {engine}")
     return served
 

@@ -172,6 +172,7 @@ class StepPacer:
         self.steps = 0
         self.overruns = 0
         self.modelled_s = 0.0  # the sum of modelled (unscaled) step times
+        self.work_s = 0.0  # wall time the engine's own work took inside its steps
 
     def begin(self) -> None:
         """A turn of the engine loop begins: the next step starts now, or where the last one
@@ -194,6 +195,7 @@ class StepPacer:
         now = self._clock()
         self.steps += 1
         self.modelled_s += modelled
+        self.work_s += now - self._start
         if now > deadline:
             self.overruns += 1
             self._chained_end = now

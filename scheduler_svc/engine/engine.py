@@ -61,6 +61,9 @@ class EngineStats:
     counts: TokenCounts
     rows_total: int = 0  # sequences run, summed over iterations (rows per step = / iteration)
     overrun_steps: int = 0  # emulated steps whose real work outlasted their modelled time
+    # Emulated timing: the steps' modelled time x time_scale, and the engine's own work in it.
+    paced_s: float = 0.0
+    work_s: float = 0.0
 
 
 class Sink(Protocol):
@@ -357,6 +360,8 @@ class Engine:
             counts=replace(batcher.counts),
             rows_total=self._rows_total,
             overrun_steps=self._pacer.overruns if self._pacer is not None else 0,
+            paced_s=self._pacer.modelled_s * self._pacer.time_scale if self._pacer else 0.0,
+            work_s=self._pacer.work_s if self._pacer is not None else 0.0,
         )
 
 

@@ -16,6 +16,9 @@ from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_REPO = ROOT / "model_repo" / "cpu"
+EMULATED_ENGINE = ROOT / "model_repo" / "emulated" / "tensorrt_llm"
+# The shipped emulated engine (h200-8b-bf16), slowed 20x so that this machine keeps its time.
+EMULATED_SCALE = 20
 
 # Engine variants served side by side by a second Triton: (model name, parameter overrides).
 VARIANTS: dict[str, dict[str, str]] = {
@@ -88,10 +91,14 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer | 
 
 @pytest.fixture(scope="session")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """Engine variants (static batching, small pools, a tiny queue) in one more Triton."""
+    """Engine variants (static batching, small pools, a tiny queue, emulated timing) in one
+    more Triton."""
     repo = tmp_path_factory.mktemp("variants")
     for name, overrides in VARIANTS.items():
         render_engine(repo, name, overrides, VARIANT_EXTRA.get(name, ""))
+    copy_engine_variant(
+        EMULATED_ENGINE, repo, "engine_emulated", {"time_scale": str(EMULATED_SCALE)}
+    )
     server = _start(repo, tmp_path_factory.mktemp("logs") / "triton-variants.log")
     yield server
     server.stop()

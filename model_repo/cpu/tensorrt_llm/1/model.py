@@ -129,12 +129,23 @@ class _Metrics:
             "(rows per step: this over nv_trt_llm_general_metrics iteration_counter)",
             counter,
         ).Metric(labels=labels)
-        self.overruns = None
+        self.overruns = self.paced = self.work = None
         if cfg.timing == "emulated":
             self.overruns = new_family(
                 "scheduler_svc_engine_step_overruns_total",
                 "Emulated steps whose real work outlasted their modelled time x time_scale "
                 "(a benchmark with more than 1 % of them is invalid)",
+                counter,
+            ).Metric(labels=labels)
+            self.paced = new_family(
+                "scheduler_svc_engine_step_paced_seconds_total",
+                "Wall seconds the emulated steps were held to (modelled time x time_scale)",
+                counter,
+            ).Metric(labels=labels)
+            self.work = new_family(
+                "scheduler_svc_engine_step_work_seconds_total",
+                "Wall seconds of the engine's own work inside its emulated steps (its headroom: "
+                "this over scheduler_svc_engine_step_paced_seconds_total)",
                 counter,
             ).Metric(labels=labels)
         self.cached_tokens = new_family(
@@ -143,6 +154,7 @@ class _Metrics:
             gauge,
         ).Metric(labels=labels)
         self._last: dict[str, int] = {}
+        self._sent: dict[str, float] = {}
         self._shown: dict[int, float] = {}
 
     def publish(self, s: EngineStats) -> None:
@@ -186,6 +198,8 @@ class _Metrics:
         self._bump(self.rows_total, "rows", s.rows_total)
         if self.overruns is not None:
             self._bump(self.overruns, "overruns", s.overrun_steps)
+            self._add(self.paced, "paced", s.paced_s)
+            self._add(self.work, "work", s.work_s)
 
     def _set(self, metric: Any, value: float) -> None:
         """Set a gauge only when it changed: each set is a round trip to the Triton process."""
@@ -198,6 +212,13 @@ class _Metrics:
         if delta > 0:
             metric.increment(delta)
         self._last[name] = total
+
+    def _add(self, metric: Any, name: str, total: float) -> None:
+        """A counter of seconds: increments of whole milliseconds, the rest carried over."""
+        delta = round(total - self._sent.get(name, 0.0), 3)
+        if delta >= 0.001:
+            metric.increment(delta)
+            self._sent[name] = self._sent.get(name, 0.0) + delta
 
 
 def _log_to_stderr() -> None:
