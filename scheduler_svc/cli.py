@@ -47,6 +47,7 @@ def _triton(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         startup_timeout_s=args.startup_timeout,
         log=None if args.quiet else log,
+        host=args.host,
     )
 
     def on_term(signum: int, frame: FrameType | None) -> None:
@@ -160,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
             http_port=args.triton_http_port,
             metrics_port=args.triton_metrics_port,
             log=lambda line: print(line, file=triton_log, flush=True),
+            host=args.triton_host,
         )
         print(f"starting tritonserver on {args.model_repo} (log: {log_file}) ...", flush=True)
         server.start()
@@ -538,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--triton-grpc-port", type=int, default=8001)
     run.add_argument("--triton-http-port", type=int, default=8000)
     run.add_argument("--triton-metrics-port", type=int, default=8002)
+    run.add_argument(
+        "--triton-host",
+        default="127.0.0.1",
+        help="where Triton's own ports listen (loopback: they answer anyone, past every guard)",
+    )
     run.add_argument("--triton-log", default="results/triton.log", help="where Triton's log goes")
     sidecar_flags(run)
     run.set_defaults(func=_run)
@@ -555,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness"
     )
     triton.add_argument("--quiet", action="store_true", help="do not forward Triton's log")
+    triton.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address its ports listen on (0.0.0.0: every host, unauthenticated)",
+    )
     triton.set_defaults(func=_triton)
 
     _add_tool_commands(commands)

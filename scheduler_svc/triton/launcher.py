@@ -66,6 +66,9 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -73,12 +76,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _port_is_free(port: int) -> bool:
+def _port_is_free(port: int, host: str = "0.0.0.0") -> bool:
     """Whether a server could listen on `port` now (connections in TIME_WAIT do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("0.0.0.0", port))
+            sock.bind((host, port))
         except OSError:
             return False
         return True
@@ -104,8 +107,11 @@ class TritonServer:
         startup_timeout_s: float = 180.0,
         log: Callable[[str], None] | None = None,
         extra_args: Sequence[str] = (),
+        host: str = LOOPBACK,
     ) -> None:
         self.model_repo = Path(model_repo).resolve()
+        # Triton's ports answer anyone past every guard of the sidecar: loopback unless asked.
+        self.host = host
         self._requested = TritonPorts(grpc_port, http_port, metrics_port)
         self.startup_timeout_s = startup_timeout_s
         self._log = log
@@ -119,16 +125,21 @@ class TritonServer:
     # -- addresses ---------------------------------------------------------------------------
 
     @property
+    def _reach(self) -> str:
+        """Where a local client reaches it: its address, or loopback for a wildcard one."""
+        return LOOPBACK if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
+        return f"{self._reach}:{self.ports.grpc}"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.http}"
+        return f"http://{self._reach}:{self.ports.http}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
+        return f"http://{self._reach}:{self.ports.metrics}/metrics"
 
     @property
     def running(self) -> bool:
@@ -169,7 +180,7 @@ class TritonServer:
                 while (candidate := free_port()) in chosen.values():
                     pass
                 chosen[service] = candidate
-            elif not _port_is_free(port):
+            elif not _port_is_free(port, self.host or "0.0.0.0"):
                 raise PortInUseError(service, port)
             else:
                 chosen[service] = port
@@ -184,6 +195,9 @@ class TritonServer:
             f"--grpc-port={self.ports.grpc}",
             f"--http-port={self.ports.http}",
             f"--metrics-port={self.ports.metrics}",
+            f"--grpc-address={self.host}",
+            f"--http-address={self.host}",
+            f"--metrics-address={self.host}",
             "--allow-gpu-metrics=false",
             "--strict-readiness=true",
             "--exit-on-error=true",

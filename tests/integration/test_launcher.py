@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -60,6 +61,50 @@ def test_starts_on_free_ports_and_stops_cleanly(tmp_path: Path) -> None:
         assert not _port_is_free(ports.grpc)
     assert not server.running
     assert all(_port_is_free(p) for p in (ports.grpc, ports.http, ports.metrics))
+
+
+def listening(port: int) -> set[str]:
+    """Where something listens at `port`, from the kernel's socket tables: "loopback", "any"
+    (a wildcard address) or the address itself; IPv4-mapped IPv6 read as IPv4."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            raw, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            packed = b"".join(bytes.fromhex(raw[i : i + 8])[::-1] for i in range(0, len(raw), 8))
+            address = ipaddress.ip_address(packed)
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+                address = address.ipv4_mapped
+            if address.is_loopback:
+                found.add("loopback")
+            elif address.is_unspecified:
+                found.add("any")
+            else:
+                found.add(str(address))
+    return found
+
+
+@pytest.mark.parametrize(("host", "expected"), [(None, {"loopback"}), ("0.0.0.0", {"any"})])
+def test_tritons_ports_listen_on_loopback_unless_asked(
+    tmp_path: Path, host: str | None, expected: set[str]
+) -> None:
+    """Triton's own ports answer anyone, past every guard of the sidecar: loopback only by
+    default (issue 29: `make run` had them on every interface)."""
+    kwargs = {} if host is None else {"host": host}
+    server = TritonServer(
+        make_repo(tmp_path, {"identity": IDENTITY_MODEL}),
+        grpc_port=0,
+        http_port=0,
+        metrics_port=0,
+        **kwargs,
+    )
+    with server:
+        for port in (server.ports.grpc, server.ports.http, server.ports.metrics):
+            assert listening(port) == expected, port
+        assert server.grpc_url.startswith("127.0.0.1:")
 
 
 def test_a_taken_port_is_named(tmp_path: Path) -> None:
