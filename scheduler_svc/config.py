@@ -2,6 +2,9 @@
 
 Every field has bounds and a description. `load_config` names the field at fault when a value is
 wrong (`queue.max_queued: Input should be greater than or equal to 0`).
+
+Over 500 lines on purpose until the layout issue (30) splits the package by role; new
+code of its kind goes into modules of its own (cost profiles live in scheduler_svc/profiles).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def _row(prompt: tuple[int, ...], out: int, **kw: object) -> RowSpec:
     return RowSpec(prompt, out, END, PAD, **kw)  # type: ignore[arg-type]
 
 
-def _collect(cfg: EngineConfig, rows: dict[str, RowSpec]) -> dict[str, list[int]]:
+def _drive(cfg: EngineConfig, rows: dict[str, RowSpec]) -> dict[str, Sequence]:
+    """Every request to its end on a batcher fed by the token source (no clock, no thread)."""
     batcher, source = Batcher(cfg), TokenSource(cfg)
     requests = {
         key: batcher.add(key, [spec], streaming=True, sampling=Sampling(), handle=None)
@@ -48,7 +49,11 @@ def _collect(cfg: EngineConfig, rows: dict[str, RowSpec]) -> dict[str, list[int]
         plan = batcher.schedule()
         sampled = source.step(plan.works, [])
         batcher.commit(plan, sampled.tokens, sampled.log_probs)
-    return {key: list(r.rows[0].generated) for key, r in requests.items()}
+    return {key: r.rows[0] for key, r in requests.items()}
+
+
+def _collect(cfg: EngineConfig, rows: dict[str, RowSpec]) -> dict[str, list[int]]:
+    return {key: list(seq.generated) for key, seq in _drive(cfg, rows).items()}
 
 
 def test_the_same_prompt_gets_the_same_tokens_however_it_is_batched() -> None:
@@ -112,22 +117,9 @@ def test_weighted_pick_follows_the_weights_exactly() -> None:
 
 
 def test_log_probabilities_are_the_drawn_tokens_under_the_source() -> None:
-    cfg = EngineConfig()
-    source = TokenSource(cfg)
-    batcher = Batcher(cfg)
-    request = batcher.add(
-        "lp",
-        [_row(tuple(range(30)), 3, return_log_probs=True)],
-        streaming=True,
-        sampling=Sampling(),
-        handle=None,
-    )
-    while not batcher.idle():
-        plan = batcher.schedule()
-        sampled = source.step(plan.works, [])
-        batcher.commit(plan, sampled.tokens, sampled.log_probs)
+    seq = _drive(EngineConfig(), {"lp": _row(tuple(range(30)), 3, return_log_probs=True)})["lp"]
     uniform = -math.log(FIRST_SPECIAL_ABOVE - FIRST_ORDINARY_ID)
-    assert request.rows[0].log_probs == pytest.approx([uniform] * 3)
+    assert len(seq.generated) == 3 and seq.log_probs == pytest.approx([uniform] * 3)
 
 
 class FakeClock:
