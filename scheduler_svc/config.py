@@ -20,7 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.core import config as core_config
-from scheduler_svc.core.config import MEDIAN_FOR_ALLOCATING_ENGINES, KvConfig, PolicyConfig
+from scheduler_svc.core.config import (
+    MEDIAN_FOR_ALLOCATING_ENGINES,
+    KvConfig,
+    PolicyConfig,
+    prefill_budget_tokens,
+)
 from scheduler_svc.core.routing import (
     DEFAULT_GROUP,
     RolloutConfig,
@@ -610,9 +615,12 @@ class SidecarConfig(_Frozen):
             changes["continuous_batching"] = not static
         if "max_batches_in_flight" not in self.policy:
             changes["max_batches_in_flight"] = engine.batches_at_once if static else None
-        if "prefill_budget_tokens" not in self.policy and not static and engine.max_num_tokens:
-            # Two steps' worth: one the engine runs, one ready for the next.
-            changes["prefill_budget_tokens"] = 2 * engine.max_num_tokens
+        if "prefill_budget_tokens" not in self.policy and not static:
+            # From the engine's cost per prompt token where it says, else two of its steps.
+            tightest = min(lane.ttft_target_s for lane in base.lanes)
+            budget = prefill_budget_tokens(tightest, engine.prompt_token_s, engine.max_num_tokens)
+            if budget is not None:
+                changes["prefill_budget_tokens"] = budget
         if static:
             per_batch = min(engine.max_batch_size, engine.max_num_sequences or 1 << 30)
             rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)

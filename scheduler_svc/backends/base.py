@@ -37,6 +37,9 @@ class EngineProfile:
     # Whether the engine reserves prompt + max_tokens when it admits a sequence (TensorRT-LLM's
     # guaranteed_no_evict, its default) rather than allocating as tokens come (max_utilization).
     reserves_max_tokens: bool = True
+    # Seconds one prompt token adds to an engine step, where the engine says (an emulated
+    # engine's cost profile at its time scale); the prefill budget is derived from it.
+    prompt_token_s: float | None = None
 
     def sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_sequences where it says, else

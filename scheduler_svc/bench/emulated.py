@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduler_svc.bench import plan as P  # noqa: N812 - read as the plan's namespace
+from scheduler_svc.core.slo import lane_slo_s
 from scheduler_svc.profiles import CostProfile
 from scheduler_svc.sim.runner import RunResult, simulate
 from scheduler_svc.sim.workload import Scenario
@@ -33,11 +34,9 @@ from scheduler_svc.sim.workload import Scenario
 SIM_ENGINE = "inflight_noevict"
 SIM_TARGET = {"triton": "fifo", "policy": "policy"}
 TARGETS = ("triton", "policy")
-# The SLO on time to first token, in emulated seconds: SLO_FACTOR x the profile's unloaded time
-# for the lane's typical prompt (its prefill alone), at least SLO_FLOOR_S (the source document's
-# hot queue timeout: below it one long step decides a P99).
+# The SLO on time to first token, in emulated seconds (core/slo.py's rule): the profile's
+# unloaded time for the lane's typical prompt (its prefill alone) stands for the unloaded median.
 LANE_PROMPTS = {"hot": 128, "warm": 512, "cold": 2048}
-SLO_FLOOR_S = 0.1
 # The burst: the source document's 500 QPS of chat, bursty (gaps with a coefficient of
 # variation of 2), offered for BURST_S emulated seconds.
 BURST_QPS = 500.0
@@ -90,10 +89,7 @@ PLANS = {p.name: p for p in (AGREE, DOCUMENT, QUICK)}
 
 def slo_for(profile: CostProfile) -> dict[str, float]:
     """Per-lane TTFT SLO in emulated seconds, from the profile's own unloaded times."""
-    return {
-        lane: max(SLO_FLOOR_S, P.SLO_FACTOR * profile.prefill_s(tokens))
-        for lane, tokens in LANE_PROMPTS.items()
-    }
+    return {lane: lane_slo_s(profile.prefill_s(tokens)) for lane, tokens in LANE_PROMPTS.items()}
 
 
 def scenario(mix: str, window_s: float) -> Scenario:

@@ -37,6 +37,7 @@ class Entry:
     requeues: int = 0
     promoted: bool = False
     version: int = 0  # bumped on requeue, so the timers set for the previous wait are void
+    deadline: float = 0.0  # in-flight engines: start order (arrival + the lane's TTFT target)
     bucket: Bucket | None = None
 
     @property
@@ -220,9 +221,9 @@ class LaneQueue:
             self._push(bucket)  # re-key: its smallest tag may have changed
         self._prune_tenants()
 
-    def take(self, bucket: Bucket, count: int) -> list[Entry]:
-        """Dispatch the `count` members with the smallest tags; the rest stay ready."""
-        chosen = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[:count]
+    def take(self, chosen: list[Entry]) -> list[Entry]:
+        """Dispatch these entries (a bucket's smallest tags, or the deadline order's next);
+        the rest stay ready."""
         for entry in chosen:
             self.virtual_time = max(self.virtual_time, entry.tag)
             self.remove(entry)

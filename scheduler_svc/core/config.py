@@ -11,8 +11,8 @@ Defaults (DESIGN.md, "Priority lanes by token length"):
                                                             shorter answer, else the warm lane)
     warm  256-1023       45 %   32         500 ms         wait again, up to 2 times
     cold  >= 1024        15 %   8          none           elastic pool, else keep waiting
-Lanes yield to the lanes ahead of them; on an in-flight engine cold holds at most 25 % of the
-engine's sequences while hot or warm work is queued or running (`max_rows_share`).
+On an in-flight engine requests start earliest deadline first (arrival + the lane's TTFT
+target: hot 250 ms, warm 500 ms, cold 2 s) and the lane timers act at those targets.
 SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16 tokens a block.
 Predictive admission on: a lane refuses at arrival what its learned drain rate says cannot
 start within the time the lane allows (its timeouts, requeues and degrade chain) or the
@@ -66,9 +66,10 @@ class LaneConfig:
     max_wait_s: float | None = None  # aging: waiting this long promotes a request; None: never
     max_ratio: float = 1.5  # SmartBatching: longest / shortest prompt in one batch
     batch_timeout_s: float = 0.05  # SmartBatching: release a batch when its oldest waited this
-    # On an in-flight engine, the most of the engine's sequences (kv.max_in_flight) this lane
-    # may hold while a lane ahead of it has work queued or running (at least one); None: no cap.
-    max_rows_share: float | None = None
+    # On an in-flight engine: the time to first token this lane works to. Requests are started
+    # in order of arrival + this (earliest deadline first, across lanes), and the lane's
+    # timeout action fires when a request has waited this long (docs/policy.md, "Deadlines").
+    ttft_target_s: float = 0.25
 
     def validate(self, where: str) -> None:
         _check(bool(self.name), f"{where}.name", "must not be empty")
@@ -93,19 +94,36 @@ class LaneConfig:
         )
         _check(1.0 <= self.max_ratio <= 1000, f"{where}.max_ratio", "must be in [1, 1000]")
         _check(0 <= self.batch_timeout_s <= 60, f"{where}.batch_timeout_s", "must be in [0, 60]")
-        _check(
-            self.max_rows_share is None or 0 < self.max_rows_share <= 1,
-            f"{where}.max_rows_share",
-            "must be in (0, 1] or null",
-        )
+        _check(0 < self.ttft_target_s <= 3600, f"{where}.ttft_target_s", "must be in (0, 3600]")
 
 
 def default_lanes() -> tuple[LaneConfig, ...]:
     return (
-        LaneConfig("hot", 0, 0.40, 16, 512, 0.100, OnTimeout.DEGRADE, max_wait_s=0.100),
-        LaneConfig("warm", 256, 0.45, 32, 512, 0.500, OnTimeout.REQUEUE, 2, max_wait_s=1.0),
         LaneConfig(
-            "cold", 1024, 0.15, 8, 256, None, OnTimeout.ELASTIC, max_wait_s=5.0, max_rows_share=0.25
+            "hot", 0, 0.40, 16, 512, 0.100, OnTimeout.DEGRADE, max_wait_s=0.100, ttft_target_s=0.25
+        ),
+        LaneConfig(
+            "warm",
+            256,
+            0.45,
+            32,
+            512,
+            0.500,
+            OnTimeout.REQUEUE,
+            2,
+            max_wait_s=1.0,
+            ttft_target_s=0.5,
+        ),
+        LaneConfig(
+            "cold",
+            1024,
+            0.15,
+            8,
+            256,
+            None,
+            OnTimeout.ELASTIC,
+            max_wait_s=5.0,
+            ttft_target_s=2.0,
         ),
     )
 
@@ -160,6 +178,26 @@ class KvConfig:
         _check(1 <= self.max_in_flight <= 1_000_000, "kv.max_in_flight", "must be in [1, 1000000]")
         _check(0 < self.stale_after_s <= 3600, "kv.stale_after_s", "must be in (0, 3600]")
         _check(0 <= self.reserve_fraction <= 0.5, "kv.reserve_fraction", "must be in [0, 0.5]")
+
+
+# The share of the tightest lane's TTFT target one step's long-prompt work may take on an
+# in-flight engine: a short prompt arriving waits for the step running and then its own, so
+# two such steps stay well inside its target.
+PREFILL_SHARE_OF_TARGET = 0.25
+
+
+def prefill_budget_tokens(
+    tightest_target_s: float, prompt_token_s: float | None, max_num_tokens: int | None
+) -> int | None:
+    """The prompt tokens of later lanes an in-flight engine may hold unprefilled: what costs
+    PREFILL_SHARE_OF_TARGET of the tightest lane's target where the engine's cost per prompt
+    token is known (at most two of its steps' max_num_tokens), else two steps' max_num_tokens
+    (one the engine runs, one ready for the next); None where neither is known."""
+    steps = 2 * max_num_tokens if max_num_tokens else None
+    if prompt_token_s is None or prompt_token_s <= 0:
+        return steps
+    tokens = max(1, int(PREFILL_SHARE_OF_TARGET * tightest_target_s / prompt_token_s))
+    return tokens if steps is None else min(tokens, steps)
 
 
 # The output quantile reserved in front of an engine that allocates KV as tokens come

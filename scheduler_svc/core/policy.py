@@ -17,20 +17,32 @@ prediction, dispatches buckets holding promoted requests oldest-first (if one ca
 else goes: the freed capacity is kept for it), and finally shares what is left between lanes by
 deficit round robin on tokens (prompt + predicted output), work-conserving: a lane with nothing
 ready lends its share.
-Lanes yield to the lanes ahead of them (the config's order: shorter prompts first). With
-`prefill_budget_tokens` on an in-flight engine, shares bound prefill too: while a lane ahead
-has work waiting, a lane's prompt tokens in the engine without a first token yet stay within
-its share of one step's budget (or one request, so no prompt is too long to go). A lane with
-`max_rows_share` holds at most that share of the engine's sequences while a lane ahead has work
-queued or running: a long prompt slows every decode step for as long as it runs.
-A bucket goes whole (up to its lane's max batch) once the KV mirror and the backend's sequence
-limit can hold it; it goes in part only when nothing is running, or when it holds a promoted
-request. For an engine with continuous (in-flight) batching (`continuous_batching`), buckets are
-ready as soon as they are formed and go in part whenever there is room: the engine merges rows
-into its running batch at every step, so waiting to fill or keep a batch only adds latency.
-With `max_batches_in_flight` (a static-batching engine: as many as it runs at once), no bucket
-goes while that many released batches still have a member running: the engine then runs each
-bucket as its own batch, and buckets fill while it works.
+On a static engine, buckets wait to fill: a bucket goes whole (up to its lane's max batch)
+once the KV mirror and the backend's sequence limit can hold it, in part only when nothing is
+running or when it holds a promoted request; with `max_batches_in_flight` (as many as the
+engine runs at once) no bucket goes while that many released batches still have a member
+running, so each engine batch is one ratio-bounded bucket and buckets fill while it works.
+
+On an in-flight engine (`continuous_batching`: rows join the running batch at every step, so
+holding a request back to fill or keep a batch only adds waiting) requests start in deadline
+order instead (`_dispatch_by_deadline`), work-conserving:
+- Ordering rule: each request's deadline is its arrival plus its lane's `ttft_target_s` (or the
+  client's deadline, if sooner); the queued request with the earliest deadline starts first,
+  across lanes, as soon as the engine has a free sequence and the KV pool admits it. Long work
+  absorbs delay up to its own looser target; short work is never behind work due later.
+- Prefill budget: the later lanes' prompt tokens dispatched and not yet prefilled stay within
+  `prefill_budget_tokens` (a prompt longer than that goes alone), so a short prompt arriving
+  finds at most about one step of long-prompt work ahead of it; the shell derives the budget
+  from the engine's cost per prompt token (`prefill_budget_tokens()` in core/config.py). The
+  first lane's prompts are not budgeted: they pass a later lane held by the budget.
+- Starvation bound: a request is overtaken only by requests due before it, i.e. arriving less
+  than (its lane's target - the tightest lane's target) after it, or by first-lane requests
+  while the budget holds it, which lasts until the long prompts in the engine are prefilled.
+- Admission: refuse at arrival only what is predicted to start past what its lane allows
+  (`allowed_wait`) after the work due before it (on the first lane: its own lane's), at the
+  engine's drain rate. A lane's timeout action fires at its TTFT target; a hot request past it
+  with no fallback is answered at once (not served from a lower lane seconds late); a requeue
+  lane's request keeps its place while it waits again.
 
 Invariants (tests/unit/test_policy.py's state machine):
 - every submitted request ends in exactly one of: rejected at submission, expired, cancelled,
@@ -42,9 +54,12 @@ Invariants (tests/unit/test_policy.py's state machine):
   for the oldest: that is what stops a large request from starving);
 - each lane's queue stays within its cap;
 - primary batches with a member in flight never exceed `max_batches_in_flight`;
-- a request is refused for a predicted wait only with work queued ahead of it in its lane
-  (an idle lane predicts 0) and with that wait, > 0, as its hint; the queued tokens a lane's
-  prediction divides and its unprefilled prompt tokens are exactly its requests' sums.
+- a request is refused for a predicted wait only with work queued ahead of it (an idle lane
+  predicts 0) and with that wait, > 0, as its hint; the queued tokens a lane's prediction
+  divides and its unprefilled prompt tokens are exactly its requests' sums;
+- in-flight engines: no dispatch leaves a queued request that was due earlier and could have
+  gone (rows, KV; for a later lane, the budget); the later lanes' unprefilled prompt tokens
+  exceed the budget only by one prompt sent alone.
 """
 
 from __future__ import annotations
@@ -156,6 +171,9 @@ class PolicyScheduler:
         self.pooled_drain = DrainRate(config.admission)  # every lane's completions together
         self._queued_tokens = dict.fromkeys(self.lanes, 0)  # cost tokens waiting per lane
         self._prefill_tokens = dict.fromkeys(self.lanes, 0)  # prompt tokens not yet prefilled
+        # In-flight engines: each lane's queued requests by start order (deadline, seq, request
+        # id); an entry no longer queued there under that seq is skipped when it surfaces.
+        self._deadlines: dict[str, list[tuple[float, int, str]]] = {n: [] for n in self.lanes}
         self._now = 0.0
 
     # -- arrivals ----------------------------------------------------------------------------
@@ -197,6 +215,14 @@ class PolicyScheduler:
         late = self._late(lane, request.queue_deadline, now)
         if late is not None:
             wait, allowed = late
+            if self.deadline_order:
+                return self._reject(
+                    rid,
+                    RejectReason.PREDICTED_LATE,
+                    f"it would start in about {wait * 1000:.0f} ms behind the work due before "
+                    f"it; lane {lane!r} may wait {allowed * 1000:.0f} ms",
+                    wait,
+                )
             return self._reject(
                 rid,
                 RejectReason.PREDICTED_LATE,
@@ -222,6 +248,7 @@ class PolicyScheduler:
                 self._retry_hint(lane),
             )
         entry = Entry(request, next(self._seq), now, now, predicted, max_tokens)
+        entry.deadline = self._order_key(lane, now, request.queue_deadline)
         self._enqueue(lane, entry, now)
         self._lane_timers(lane, entry)
         self._settle_busy(now)
@@ -233,7 +260,7 @@ class PolicyScheduler:
         if deadline is not None:
             self._timer(deadline, _Timer(_DEADLINE, lane, rid, -1))
         max_wait = self.lanes[lane].config.max_wait_s
-        if max_wait is not None and not entry.promoted:
+        if max_wait is not None and not entry.promoted and not self.deadline_order:
             self._timer(entry.arrived_at + max_wait, _Timer(_AGING, lane, rid, -1))
 
     # -- predictive admission ----------------------------------------------------------------
@@ -255,14 +282,47 @@ class PolicyScheduler:
         lanes together, so a wait predicted from it is never too long."""
         return self.drain[lane].rate() or self.pooled_drain.rate()
 
-    def predicted_wait(self, lane: str) -> float | None:
+    def predicted_wait(self, lane: str, key: float | None = None) -> float | None:
         """Seconds an arrival in `lane` now would wait for the work queued ahead of it to
-        drain, at the lane's drain rate; None while no rate is known."""
-        ahead = self._queued_tokens[lane]
+        drain; None while no rate is known. Ahead of it: on an in-flight engine, every queued
+        request due before it (start order `key`, by default an arrival now), at the whole
+        engine's drain rate; otherwise its lane's queue, at the lane's rate."""
+        if self.deadline_order:
+            if key is None:
+                key = self._order_key(lane, self._now, None)
+            # The first lane passes later lanes held by the prefill budget: only its own count.
+            first = lane == self.config.lanes[0].name
+            ahead = sum(
+                e.cost_tokens
+                for other, e in self._queued.values()
+                if e.deadline <= key and (other == lane or not first)
+            )
+            rate = self.pooled_drain.rate()
+        else:
+            ahead = self._queued_tokens[lane]
+            rate = self.drain_rate(lane)
         if ahead <= 0:
             return 0.0
-        rate = self.drain_rate(lane)
         return None if rate is None else ahead / rate
+
+    @property
+    def deadline_order(self) -> bool:
+        """On an in-flight engine requests start in deadline order (`_dispatch_by_deadline`)."""
+        return self.config.continuous_batching
+
+    def _order_key(self, lane: str, arrived_at: float, client_deadline: float | None) -> float:
+        """When a request must start by: its arrival plus its lane's TTFT target, or the
+        client's own deadline where that is sooner."""
+        key = arrived_at + self.lanes[lane].config.ttft_target_s
+        return key if client_deadline is None else min(key, client_deadline)
+
+    def lane_timeout(self, lane: str) -> float | None:
+        """How long a request waits in `lane` before the lane's timeout action: on an in-flight
+        engine its TTFT target (for a lane with a timeout at all), else its queue timeout."""
+        cfg = self.lanes[lane].config
+        if cfg.queue_timeout_s is None or not self.deadline_order:
+            return cfg.queue_timeout_s
+        return cfg.ttft_target_s
 
     def allowed_wait(self, lane: str) -> float | None:
         """The longest a request entering `lane` should wait there: until it would be refused
@@ -270,7 +330,7 @@ class PolicyScheduler:
         timeout). None: waiting never costs it either (it goes to a fallback or elastic
         backend, gets a shorter answer, or keeps waiting)."""
         cfg = self.lanes[lane].config
-        timeout = cfg.queue_timeout_s
+        timeout = self.lane_timeout(lane)
         if timeout is None or cfg.on_timeout is OnTimeout.ELASTIC:
             return None
         if cfg.on_timeout is OnTimeout.REQUEUE:
@@ -289,7 +349,8 @@ class PolicyScheduler:
         start too late for the lane or for its deadline; None when it may be admitted."""
         if not self.config.admission.enabled:
             return None
-        wait = self.predicted_wait(lane)
+        key = self._order_key(lane, now, deadline) if self.deadline_order else None
+        wait = self.predicted_wait(lane, key)
         if wait is None:
             return None
         allowed = self.allowed_wait(lane)
@@ -310,7 +371,7 @@ class PolicyScheduler:
         wait past the lane's queue timeout (the predicted wait opens it before the count)."""
         watch = self.config.breaker.watch_lane
         wait = self.predicted_wait(watch)
-        timeout = self.lanes[watch].config.queue_timeout_s
+        timeout = self.lane_timeout(watch)
         late = wait is not None and timeout is not None and wait > timeout
         self.breaker.update(len(self.lanes[watch]), now, late)
 
@@ -321,11 +382,12 @@ class PolicyScheduler:
         self._queued_tokens[lane] += entry.cost_tokens
         if self.config.continuous_batching:
             queue.mark_ready(bucket)
+            heapq.heappush(self._deadlines[lane], (entry.deadline, entry.seq, entry.request_id))
         elif len(bucket.members) == 1 and not bucket.ready:
             self._timer(now + queue.config.batch_timeout_s, _Timer(_BATCH, lane, bucket=bucket))
-        if queue.config.queue_timeout_s is not None:
-            when = now + queue.config.queue_timeout_s
-            self._timer(when, _Timer(_TIMEOUT, lane, entry.request_id, entry.version))
+        timeout = self.lane_timeout(lane)
+        if timeout is not None:
+            self._timer(now + timeout, _Timer(_TIMEOUT, lane, entry.request_id, entry.version))
 
     def _too_large(
         self, request: Request, lane: str, max_tokens: int, predicted: int
@@ -365,7 +427,9 @@ class PolicyScheduler:
             self._fire_timers(now, out)
             self._update_breaker(now)
             self.mirror.settle_shortfalls()
-            if not self._dispatch_promoted(out):
+            if self.deadline_order:
+                self._dispatch_by_deadline(out)
+            elif not self._dispatch_promoted(out):
                 self._dispatch_fair(out)
         except Exception as exc:  # what was decided stays decided: hand it over
             self.counters["step_failed"] += 1
@@ -410,12 +474,21 @@ class PolicyScheduler:
                 entry.max_tokens = min(entry.max_tokens, self.config.degrade_max_tokens)
                 entry.predicted_output = min(entry.predicted_output, entry.max_tokens)
                 self._queued_tokens[lane] += entry.cost_tokens - before
-                if not entry.promoted:
+                if not entry.promoted and not self.deadline_order:
                     self.lanes[lane].promote(entry)
                 self.counters["degraded_max_tokens"] += 1
             else:
                 self._degrade_to_lower_lane(lane, entry, now, out)
         elif action is OnTimeout.REQUEUE:
+            timeout = self.lane_timeout(lane)
+            again = entry.requeues < self.lanes[lane].config.max_requeues
+            if self.deadline_order and timeout is not None and again:
+                # In deadline order waiting again keeps the request's place: only its timer moves.
+                entry.requeues += 1
+                entry.version += 1
+                self._timer(now + timeout, _Timer(_TIMEOUT, lane, rid, entry.version))
+                self.counters["requeued"] += 1
+                return
             if entry.requeues < self.lanes[lane].config.max_requeues:
                 promoted = entry.promoted
                 self._drop(lane, entry)
@@ -444,7 +517,9 @@ class PolicyScheduler:
         waits ahead of it; it is refused only where that lane is predicted to start it too
         late, or where there is no lower lane."""
         rid, lower = entry.request_id, self._lower(lane)
-        if lower is None:
+        if lower is None or self.deadline_order:
+            # In deadline order a hot request past its target is answered now, not served from
+            # a lower lane seconds late (where it would also take room from work still in time).
             retry = self.predicted_wait(lane)
             self._drop(lane, entry)
             out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane, retry))
@@ -489,8 +564,8 @@ class PolicyScheduler:
         """The members, in fair order, that the KV pool admits now (`BlockMirror.admissible`:
         within the free blocks less the reserve, and none while blocks are owed) and the
         sequence limit can hold (at most `max_batch`: a bucket filled before the lane's max batch
-        shrank goes in parts), within the lane's cap on rows (`_rows_left`)."""
-        limit = min(self._rows_left(lane), max_batch)
+        shrank goes in parts), within the engine's free sequences."""
+        limit = min(self.config.kv.max_in_flight - self._rows_in_flight, max_batch)
         order = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[: max(0, limit)]
         needs = [self.need(e) for e in order]
         return order[: self.mirror.admissible(needs, [e.prompt_tokens for e in order])]
@@ -510,22 +585,6 @@ class PolicyScheduler:
         """Primary rows in the engine, every lane's."""
         return sum(self._lane_rows.values())
 
-    def _rows_left(self, lane: str) -> int:
-        """Rows `lane` may still take: the engine's free sequences, and on an in-flight engine,
-        while a lane ahead of it has work queued or running, what is left of the lane's row cap
-        (`max_rows_share` of the engine's sequences, at least one). Long prompts make every
-        decode step slower for as long as they run, so a capped lane cannot fill the engine
-        while shorter work shares it; without it, it may use every row."""
-        rows = self.config.kv.max_in_flight - self._rows_in_flight
-        share = self.lanes[lane].config.max_rows_share
-        if share is None or not self.config.continuous_batching:
-            return rows
-        shared = any(self._queued_tokens[o] or self._lane_rows[o] for o in self._before(lane))
-        if not shared:
-            return rows
-        cap = max(1, int(share * self.config.kv.max_in_flight))
-        return max(0, min(rows, cap - self._lane_rows[lane]))
-
     def _release(self, lane: str, entries: list[Entry], out: list[Decision]) -> int:
         queue = self.lanes[lane]
         bucket = entries[0].bucket
@@ -543,7 +602,7 @@ class PolicyScheduler:
             queue.config.max_batch,
             tuple(e.prompt_tokens for e in entries),
         )
-        queue.take(bucket, len(entries))
+        queue.take(entries)
         self._batch_rows[batch.batch_id] = len(entries)
         for entry, need in zip(entries, blocks, strict=True):
             rid = entry.request_id
@@ -581,11 +640,6 @@ class PolicyScheduler:
         ]
         for _, _, name, bucket in sorted(waiting, key=lambda w: (w[0], w[1], w[2])):
             while bucket.alive and any(e.promoted for e in bucket.members):
-                if (
-                    self._rows_left(name) == 0
-                    and self._rows_in_flight < self.config.kv.max_in_flight
-                ):
-                    break  # its lane's row cap holds it, not the engine: others may go
                 entries = self._fits(name, bucket, self.lanes[name].config.max_batch)
                 if not entries or not self._engine_has_room():
                     return True
@@ -609,43 +663,67 @@ class PolicyScheduler:
                 {lane: sum(e.cost_tokens for e in head.members) for lane, head in heads.items()}
             )
             head, max_batch = heads[name], self.lanes[name].config.max_batch
-            entries = self._within_prefill_share(name, self._fits(name, head, max_batch))
+            entries = self._fits(name, head, max_batch)
             whole = min(len(head.members), max_batch)
             partial = len(entries) < whole and self._rows_in_flight > 0
-            if not entries or (partial and not self.config.continuous_batching):
+            if not entries or partial:
                 # Keep a batch whole while running requests will free room for all of it; go
-                # in part only when nothing runs (waiting could not help), or when the engine
-                # batches continuously anyway.
+                # in part only when nothing runs (waiting could not help).
                 blocked.add(name)
                 continue
             self.shares.charge(name, self._release(name, entries, out))
 
-    def _before(self, lane: str) -> list[str]:
-        """The lanes ahead of `lane` (shorter prompts, tighter timers): the config's order."""
-        names = list(self.lanes)
-        return names[: names.index(lane)]
-
-    def _within_prefill_share(self, lane: str, entries: list[Entry]) -> list[Entry]:
-        """On an in-flight engine with a prefill budget, while a lane ahead of this one has
-        work waiting, the longest prefix of `entries` that keeps the lane's prompt tokens not
-        yet prefilled within its share of one engine step's budget. A lane with nothing
-        prefilling may always send one request, so a prompt longer than its share still goes
-        (alone). The first lane is never held back for the ones behind it: long prompts
-        waiting must not ration short ones."""
+    def _dispatch_by_deadline(self, out: list[Decision]) -> None:
+        """In-flight engines: start queued requests earliest deadline first (across lanes),
+        each as soon as the engine has a free sequence and the KV pool admits it. The first
+        lane's prompts are short and go on those two alone; a later lane's prompt goes only
+        while the later lanes' prompt tokens the engine has not prefilled yet stay within
+        `prefill_budget_tokens` (or nothing of theirs is prefilling: a prompt longer than the
+        budget goes alone), so a short prompt arriving finds at most about one step of long
+        prompt work ahead of it in the engine. The first request that cannot go for rows or
+        KV stops the round (nothing due later overtakes it: the room that frees is kept for
+        it); one held by the budget stops only the later lanes."""
         budget = self.config.prefill_budget_tokens
-        if budget is None or not self.config.continuous_batching:
-            return entries
-        if not any(self._queued_tokens[other] for other in self._before(lane)):
-            return entries
-        allowed = self.lanes[lane].config.share * budget
-        used = self._prefill_tokens[lane]
-        kept: list[Entry] = []
-        for entry in entries:
-            if used + entry.prompt_tokens > allowed and (used or kept):
-                break
-            used += entry.prompt_tokens
-            kept.append(entry)
-        return kept
+        first = self.config.lanes[0].name
+        long_prefill = sum(n for lane, n in self._prefill_tokens.items() if lane != first)
+        open_lanes = set(self.lanes)
+        while open_lanes:
+            head = self._earliest(open_lanes)
+            if head is None:
+                return
+            lane, entry = head
+            if self._rows_in_flight >= self.config.kv.max_in_flight or not self._engine_has_room():
+                return
+            budgeted = lane != first
+            if (
+                budgeted
+                and budget is not None
+                and long_prefill
+                and long_prefill + entry.prompt_tokens > budget
+            ):
+                open_lanes = {first} & open_lanes
+                continue
+            if not self.mirror.admissible([self.need(entry)], [entry.prompt_tokens]):
+                return
+            heapq.heappop(self._deadlines[lane])
+            self._release(lane, [entry], out)
+            if budgeted:
+                long_prefill += entry.prompt_tokens
+
+    def _earliest(self, lanes: set[str]) -> tuple[str, Entry] | None:
+        """The queued request due first among `lanes` (stale heap entries dropped on the way)."""
+        best: tuple[float, int, str, Entry] | None = None
+        for lane in lanes:
+            heap = self._deadlines[lane]
+            while heap:
+                deadline, seq, rid = heap[0]
+                found = self._queued.get(rid)
+                if found is not None and found[0] == lane and found[1].seq == seq:
+                    if best is None or (deadline, seq) < best[:2]:
+                        best = (deadline, seq, lane, found[1])
+                    break
+                heapq.heappop(heap)
+        return None if best is None else (best[2], best[3])
 
     # -- changes while running -------------------------------------------------------------
 
@@ -659,9 +737,20 @@ class PolicyScheduler:
         old_kv, new_kv = self.config.kv, config.kv
         if (old_kv.mode, old_kv.tokens_per_block) != (new_kv.mode, new_kv.tokens_per_block):
             raise ValueError("kv.mode and kv.tokens_per_block cannot change while running")
+        to_deadlines = config.continuous_batching and not self.config.continuous_batching
         self.config = config
         for lane in config.lanes:
             self.lanes[lane.name].reconfigure(lane)
+        if to_deadlines:  # now in deadline order: what waits joins it, by its own deadline
+            for name in self.lanes:
+                self._deadlines[name] = []
+            for name, entry in self._queued.values():
+                entry.deadline = self._order_key(
+                    name, entry.arrived_at, entry.request.queue_deadline
+                )
+                self._deadlines[name].append((entry.deadline, entry.seq, entry.request_id))
+            for heap in self._deadlines.values():
+                heapq.heapify(heap)
         self.breaker.config = config.breaker
         self.shares.reconfigure(
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens

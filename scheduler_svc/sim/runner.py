@@ -25,9 +25,12 @@ from scheduler_svc.core.config import (
     KvMode,
     PolicyConfig,
     PredictConfig,
+    default_lanes,
+    prefill_budget_tokens,
 )
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.slo import lane_slo_s
 from scheduler_svc.core.types import Dispatch, Expired, Rejected, Request, Scheduler, Urgency
 from scheduler_svc.profiles import CostProfile, load_profile
 from scheduler_svc.sim.engine import (
@@ -45,7 +48,7 @@ DEFAULT_SIM_PROFILE = "a100-8b-awq"
 # In-flight on max_utilization (KV as tokens come, pauses when dry), in-flight on
 # guaranteed_no_evict (prompt + max_tokens reserved at admission), static (V1).
 ENGINES = ("inflight", "inflight_noevict", "static")
-LANE_SLO_TTFT_S = {"hot": 0.3, "warm": 1.0, "cold": 4.0}
+LANES = ("hot", "warm", "cold")
 # Triton queue policy a careful user would set per priority level (seconds in queue).
 PRIORITY_TIMEOUT_S = {0: 0.5, 1: 2.0, 2: 10.0}
 DRAIN_S = 120.0
@@ -83,11 +86,11 @@ class Outcome:
             return None
         return (done - first) / (tokens - 1)
 
-    def within_slo(self, tpot_bound_s: float | None = None) -> bool:
+    def within_slo(self, slo_s: dict[str, float], tpot_bound_s: float | None = None) -> bool:
         """Served with a first token within its lane's bound and, where a bound on time per
         output token is given, streamed at least that fast."""
         ttft = self.ttft_s
-        if self.state != "served" or ttft is None or ttft > LANE_SLO_TTFT_S[self.lane]:
+        if self.state != "served" or ttft is None or ttft > slo_s[self.lane]:
             return False
         tpot = self.tpot_s
         return tpot_bound_s is None or tpot is None or tpot <= tpot_bound_s
@@ -106,10 +109,26 @@ class RunResult:
     batch_utilization: list[float] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     end_s: float = 0.0
+    slo_s: dict[str, float] = field(default_factory=dict)  # each lane's TTFT bound (core/slo.py)
+
+
+def lane_slos(requests: list[SimRequest], cost: CostProfile) -> dict[str, float]:
+    """Each lane's TTFT bound by the one SLO rule (core/slo.py): from its unloaded median, here
+    the profile's prefill time of the median prompt the lane holds (what an idle engine takes)."""
+    slo: dict[str, float] = {}
+    for lane in LANES:
+        prompts = sorted(r.prompt_tokens for r in requests if lane_of(r.prompt_tokens) == lane)
+        unloaded = cost.prefill_s(prompts[len(prompts) // 2]) if prompts else 0.0
+        slo[lane] = lane_slo_s(unloaded)
+    return slo
 
 
 def make_scheduler(
-    target: str, engine: str, cost: CostProfile, kv_mode: KvMode
+    target: str,
+    engine: str,
+    cost: CostProfile,
+    kv_mode: KvMode,
+    slo_s: dict[str, float] | None = None,
 ) -> Scheduler | None:
     if target == "fifo":
         return None
@@ -136,13 +155,23 @@ def make_scheduler(
         predict = PredictConfig()
         if engine == "inflight":
             predict = PredictConfig(quantile=MEDIAN_FOR_ALLOCATING_ENGINES)
+        # The lanes work to the engine's SLO (their TTFT targets order an in-flight engine's
+        # starts), as the sidecar's do with a cost profile.
+        lanes = tuple(
+            replace(lane, ttft_target_s=(slo_s or {}).get(lane.name, lane.ttft_target_s))
+            for lane in default_lanes()
+        )
+        budget = prefill_budget_tokens(
+            min(lane.ttft_target_s for lane in lanes), cost.per_prompt_token_s, cost.max_num_tokens
+        )
         return PolicyScheduler(
             PolicyConfig(
+                lanes=lanes,
                 kv=kv,
                 predict=predict,
                 continuous_batching=inflight,
                 max_batches_in_flight=None if inflight else 1,
-                prefill_budget_tokens=2 * cost.max_num_tokens if inflight else None,
+                prefill_budget_tokens=budget if inflight else None,
             )
         )
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
@@ -172,7 +201,8 @@ class _Run:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
         self.requests = generate(scenario, seed, qps)
-        self.sched = make_scheduler(target, engine, cost, kv_mode)
+        slo = lane_slos(generate(scenario, seed), cost)
+        self.sched = make_scheduler(target, engine, cost, kv_mode, slo)
         if isinstance(self.sched, PolicyScheduler) and warmup:
             learn_outputs(self.sched, generate(scenario, seed + WARMUP_SEED)[:warmup])
         self.engine: InflightEngine | StaticEngine = (
@@ -192,6 +222,7 @@ class _Run:
             scenario.duration_s,
             [Outcome(r, lane_of(r.prompt_tokens)) for r in self.requests],
             self.engine.totals,
+            slo_s=slo,
         )
         self.by_id = {o.request.request_id: o for o in self.result.outcomes}
         self.seqs: dict[str, Sequence] = {}

@@ -16,6 +16,7 @@ import pytest
 from scheduler_svc.bench import live, report, run
 from scheduler_svc.bench import plan as bp
 from scheduler_svc.bench.plan import EngineDelta, Outcome
+from scheduler_svc.core.slo import SLO_FLOOR_S
 
 
 def test_a_schedule_is_fixed_in_advance_by_its_seed() -> None:
@@ -75,7 +76,7 @@ def test_failures_are_classified(elapsed: float, tokens: bool, refusal: bool, st
 
 def test_slo_is_a_multiple_of_the_unloaded_median_with_a_floor() -> None:
     slo = bp.slo_ttft({"hot": 0.02, "cold": 0.4})
-    assert slo["hot"] == bp.SLO_FLOOR_S  # 5 x 20 ms is below the floor
+    assert slo["hot"] == SLO_FLOOR_S  # 5 x 20 ms is below the floor
     assert slo["cold"] == pytest.approx(2.0)
     assert slo["warm"] == pytest.approx(2.0)  # unmeasured: borrows the largest
 

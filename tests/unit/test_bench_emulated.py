@@ -13,6 +13,7 @@ from scheduler_svc.bench import emulated_run
 from scheduler_svc.bench import plan as P  # noqa: N812
 from scheduler_svc.config import load_config
 from scheduler_svc.core.config import PolicyConfig, to_mapping
+from scheduler_svc.core.slo import SLO_FLOOR_S
 from scheduler_svc.profiles import load_profile
 
 H200 = load_profile("h200-8b-bf16")
@@ -21,7 +22,7 @@ H200 = load_profile("h200-8b-bf16")
 def test_slos_come_from_the_profiles_unloaded_times_with_a_floor() -> None:
     slo = E.slo_for(H200)
     assert slo["cold"] == pytest.approx(5 * H200.prefill_s(2048))  # 280 ms
-    assert slo["hot"] == slo["warm"] == E.SLO_FLOOR_S  # 5 x 9 ms and 5 x 18 ms are below it
+    assert slo["hot"] == slo["warm"] == SLO_FLOOR_S  # 5 x 9 ms and 5 x 18 ms are below it
     a100 = E.slo_for(load_profile("a100-8b-awq"))
     assert a100["cold"] > slo["cold"]  # a slower GPU, a looser target
 
@@ -29,7 +30,13 @@ def test_slos_come_from_the_profiles_unloaded_times_with_a_floor() -> None:
 def test_every_duration_of_the_policy_and_nothing_else_is_scaled() -> None:
     scaled = E.time_keys_scaled(to_mapping(PolicyConfig()), 20.0)
     hot = scaled["lanes"][0]
-    assert hot == {"name": "hot", "queue_timeout_s": 2.0, "max_wait_s": 2.0, "batch_timeout_s": 1.0}
+    assert hot == {
+        "name": "hot",
+        "queue_timeout_s": 2.0,
+        "max_wait_s": 2.0,
+        "batch_timeout_s": 1.0,
+        "ttft_target_s": 5.0,
+    }
     assert "queue_timeout_s" not in scaled["lanes"][2]  # cold has none: it stays none
     assert scaled["breaker"] == {"min_open_s": 20.0}
     assert scaled["admission"] == {"half_life_s": 200.0, "min_busy_s": 10.0}

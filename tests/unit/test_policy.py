@@ -19,6 +19,7 @@ from scheduler_svc.core.config import (
     OnTimeout,
     PolicyConfig,
     default_lanes,
+    prefill_budget_tokens,
 )
 from scheduler_svc.core.policy import EVENTS, PolicyScheduler
 from scheduler_svc.core.types import (
@@ -139,7 +140,9 @@ def test_with_no_lower_lane_a_hot_timeout_rejects_with_a_reason() -> None:
 
 
 def _one_at_a_time() -> PolicyConfig:
-    return PolicyConfig(kv=KvConfig(total_blocks=4096, max_in_flight=1), continuous_batching=True)
+    # A static engine running one request at a time; buckets go at once (no batch timer).
+    lanes = tuple(replace(lane, batch_timeout_s=0.0) for lane in default_lanes())
+    return PolicyConfig(lanes=lanes, kv=KvConfig(total_blocks=4096, max_in_flight=1))
 
 
 def _keep_busy(
@@ -236,71 +239,86 @@ def test_a_degraded_request_is_refused_when_the_lower_lane_cannot_start_it_in_ti
     assert dict(policy.stats().counters)["expired_predicted_late"] == 1
 
 
-def test_prefill_shares_hold_a_lane_back_only_for_the_lanes_ahead_of_it() -> None:
+def _in_flight(rows: int, budget: int | None = None) -> PolicyScheduler:
+    """An in-flight engine running `rows` sequences (deadline order), lanes' targets 250 ms /
+    500 ms / 2 s."""
     config = PolicyConfig(
-        kv=KvConfig(total_blocks=400, max_in_flight=64),
+        kv=KvConfig(total_blocks=100_000, max_in_flight=rows),
         continuous_batching=True,
-        prefill_budget_tokens=1000,
+        prefill_budget_tokens=budget,
     )
-    policy = PolicyScheduler(config)
+    return PolicyScheduler(config)
+
+
+def test_an_in_flight_engine_starts_a_request_at_once_when_it_can() -> None:
+    policy = _in_flight(4)
+    assert isinstance(policy.submit(req("c0", 3000), 0.0), Admitted)
+    assert dispatched(policy.schedule(0.0)) == ["c0"]  # no batch timer, no bucket to fill
+    policy.submit(req("h0", 100), 0.001)
+    assert dispatched(policy.schedule(0.001)) == ["h0"]
+    assert policy.next_wakeup(0.001) is None  # nothing queued: no timer was needed
+
+
+def test_requests_start_earliest_deadline_first_across_lanes() -> None:
+    policy = _in_flight(1)
+    policy.submit(req("run", 100), 0.0)
+    policy.schedule(0.0)
+    policy.submit(req("cold", 2000), 0.0)  # due at 2.0 s
+    policy.submit(req("warm", 500), 0.05)  # due at 0.55 s
+    policy.submit(req("hot", 100), 0.1)  # due at 0.35 s
+    order = []
+    for i, done in enumerate(("run", "hot", "warm")):
+        policy.on_done(done, 0.2 + i * 0.01, 10)
+        order += dispatched(policy.schedule(0.2 + i * 0.01))
+    assert order == ["hot", "warm", "cold"]
+    # Long work absorbs delay up to its own target: a hot request arriving after the cold one's
+    # deadline less hot's target (1.75 s) no longer passes it.
+    policy.submit(req("cold2", 2000), 1.0)  # due at 3.0 s
+    policy.submit(req("hot2", 100), 2.8)  # due at 3.05 s
+    policy.on_done("cold", 2.9, 10)
+    assert dispatched(policy.schedule(2.9)) == ["cold2"]
+
+
+def test_the_prefill_budget_holds_later_lanes_and_lets_the_first_pass() -> None:
+    policy = _in_flight(64, budget=1000)
     policy.submit(req("c0", 1100), 0.0)
-    assert dispatched(policy.schedule(0.0)) == ["c0"]  # 73 of 400 blocks
-    # A hot request that, even at its own peak (388 blocks, after c0 has ended), would not
-    # leave the reserve free while anything runs waits; warm queues behind it.
-    policy.submit(req("h0", 100, max_tokens=6100), 0.01)
-    for i in range(3):
-        policy.submit(req(f"w{i}", 500), 0.01)
-    # While hot waits, warm keeps 45 % of 1000 = 450 tokens unprefilled, or one request.
-    assert dispatched(policy.schedule(0.01)) == ["w0"]
-    assert dispatched(policy.schedule(0.015)) == []
-    policy.on_progress("w0", 1, 0.02)  # w0's first token: its prompt is prefilled
-    assert dispatched(policy.schedule(0.02)) == ["w1"]
-    policy.cancel("h0", 0.03)  # nothing waits ahead of warm now: it sends what it has
-    assert dispatched(policy.schedule(0.03)) == ["w2"]
+    assert dispatched(policy.schedule(0.0)) == ["c0"]  # longer than the budget: it goes alone
+    policy.submit(req("w0", 500), 0.01)
+    policy.submit(req("h0", 100), 0.02)
+    # c0 is not prefilled yet: w0 (due first) waits for the budget; h0 passes it.
+    assert dispatched(policy.schedule(0.02)) == ["h0"]
+    policy.on_progress("c0", 1, 0.03)  # c0's first token: its prompt is prefilled
+    policy.submit(req("w1", 400), 0.03)
+    assert dispatched(policy.schedule(0.03)) == ["w0", "w1"]  # 900 tokens: within 1000
+    policy.submit(req("w2", 300), 0.04)
+    assert dispatched(policy.schedule(0.04)) == []  # 1200 would be over it
+    policy.cancel("w0", 0.05)
+    assert dispatched(policy.schedule(0.05)) == ["w2"]
 
 
-def test_the_first_lane_is_never_rationed_for_long_prompts_waiting_behind_it() -> None:
-    config = PolicyConfig(
-        kv=KvConfig(total_blocks=100_000, max_in_flight=4),
-        continuous_batching=True,
-        prefill_budget_tokens=500,
-    )
-    policy = PolicyScheduler(config)
-    for i in range(3):
-        policy.submit(req(f"c{i}", 1100), 0.0)
-    assert len(dispatched(policy.schedule(0.0))) == 3  # alone, cold sends what fits
-    for i in range(3):
-        policy.submit(req(f"h{i}", 200), 0.01)
-    policy.submit(req("c3", 1100), 0.01)
-    assert dispatched(policy.schedule(0.01)) == ["h0"]  # the one free row
-    # h0 holds all of hot's 40 % of 500 tokens unprefilled, and cold waits: hot goes anyway.
-    for i, (done, nxt) in enumerate((("c0", "h1"), ("c1", "h2"), ("c2", "c3"))):
-        policy.on_done(done, 0.1 * (i + 1), 10)
-        assert dispatched(policy.schedule(0.1 * (i + 1))) == [nxt]
+def test_a_hot_request_past_its_target_is_answered_at_once_not_sent_down() -> None:
+    policy = _in_flight(1)
+    policy.submit(req("run", 100), 0.0)
+    policy.schedule(0.0)
+    policy.submit(req("h0", 100), 0.0)
+    policy.submit(req("w0", 500), 0.0)
+    assert policy.schedule(0.2) == []
+    [expired] = policy.schedule(0.25)  # hot's 250 ms target, no fallback: refused now
+    assert isinstance(expired, Expired) and expired.request_id == "h0"
+    assert "degraded_lane" not in dict(policy.stats().counters)
+    # A requeue lane waits again, twice, keeping its place; then it is refused.
+    assert policy.schedule(0.5) == [] and policy.schedule(1.0) == []
+    assert dict(policy.stats().counters)["requeued"] == 2
+    [late] = policy.schedule(1.5)
+    assert isinstance(late, Expired) and late.reason is ExpireReason.REQUEUE_LIMIT
 
 
-def test_a_row_capped_lane_fills_the_engine_only_while_it_has_it_alone() -> None:
-    lanes = tuple(
-        replace(lane, max_rows_share=0.25, max_wait_s=None) if lane.name == "cold" else lane
-        for lane in default_lanes()
-    )
-    config = PolicyConfig(
-        lanes=lanes, kv=KvConfig(total_blocks=100_000, max_in_flight=8), continuous_batching=True
-    )
-    policy = PolicyScheduler(config)
-    for i in range(3):
-        policy.submit(req(f"a{i}", 1500), 0.0)
-    assert len(dispatched(policy.schedule(0.0))) == 3  # alone: every row it wants
-    policy.submit(req("h0", 100), 0.01)
-    for i in range(3):
-        policy.submit(req(f"c{i}", 1500), 0.01)
-    # With hot work in the engine, cold holds at most 25 % of 8 rows = 2; it already has 3.
-    assert dispatched(policy.schedule(0.01)) == ["h0"]
-    for i in range(3):
-        policy.on_done(f"a{i}", 0.5, 10)
-    assert dispatched(policy.schedule(0.5)) == ["c0", "c1"]
-    policy.on_done("h0", 0.6, 10)
-    assert dispatched(policy.schedule(0.6)) == ["c2"]  # hot has gone: the cap lifts
+def test_the_prefill_budget_follows_the_engines_cost_per_prompt_token() -> None:
+    # H200 8B: 24.4 us a prompt token; a quarter of hot's 250 ms is 2,561 tokens.
+    assert prefill_budget_tokens(0.25, 24.4e-6, 8192) == 2561
+    assert prefill_budget_tokens(0.25, 24.4e-6, 1024) == 2048  # at most two steps
+    assert prefill_budget_tokens(0.25, None, 256) == 512  # unknown cost: two steps
+    assert prefill_budget_tokens(0.25, None, None) is None
 
 
 def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:
@@ -657,11 +675,8 @@ class PolicyMachine(RuleBasedStateMachine):
             # (unless the pool held nothing: a lone request may use it all).
             assert mirror.owed_blocks == 0
             assert not held_before or mirror.free_blocks >= mirror.reserve_blocks
-        for lane in {d.lane for d in dispatches}:
-            # A capped lane takes rows only up to its cap while another lane is active (it was
-            # active all through the tick: schedule() adds no work).
-            cap = self.row_cap(lane)
-            assert cap is None or self.lane_rows()[lane] <= cap, f"{lane} over its row cap"
+        if self.config.continuous_batching:
+            self.check_deadline_order()
         limit = self.config.max_batches_in_flight
         if released and limit is not None:
             running = {self.batch_of[r] for r in self.in_flight}
@@ -676,36 +691,49 @@ class PolicyMachine(RuleBasedStateMachine):
                 rows[flight.lane] += 1
         return rows
 
-    def shared(self, lane: str) -> bool:
-        """Another lane has work queued or running."""
-        rows, queued = self.lane_rows(), set(self.policy.queued_ids().values())
-        return any(rows[o] or o in queued for o in self.policy.lanes if o != lane)
+    def rows_left(self) -> int:
+        return self.config.kv.max_in_flight - sum(self.lane_rows().values())
 
-    def row_cap(self, lane: str) -> int | None:
-        share = self.config.lane(lane).max_rows_share
-        if share is None or not self.config.continuous_batching or not self.shared(lane):
-            return None
-        return max(1, int(share * self.config.kv.max_in_flight))
-
-    def rows_left(self, lane: str) -> int:
-        rows = self.lane_rows()
-        free = self.config.kv.max_in_flight - sum(rows.values())
-        cap = self.row_cap(lane)
-        return free if cap is None else max(0, min(free, cap - rows[lane]))
+    def check_deadline_order(self) -> None:
+        """Work-conserving in deadline order: after a decision, the queued request due first
+        could not have gone (no free sequence, or the KV pool refuses it, or, for a later
+        lane, the prefill budget holds it), and neither could the first lane's."""
+        policy, mirror = self.policy, self.policy.mirror
+        first = self.config.lanes[0].name
+        budget = self.config.prefill_budget_tokens
+        prefilling = sum(n for lane, n in policy._prefill_tokens.items() if lane != first)
+        queued = [(e.deadline, e.seq, lane, e) for lane, e in policy._queued.values()]
+        for candidates in (queued, [q for q in queued if q[2] == first]):
+            if not candidates:
+                continue
+            _, _, lane, entry = min(candidates, key=lambda q: q[:2])
+            held = (
+                lane != first
+                and budget is not None
+                and prefilling > 0
+                and prefilling + entry.prompt_tokens > budget
+            )
+            fits = mirror.admissible([policy.need(entry)], [entry.prompt_tokens]) == 1
+            limit = self.config.max_batches_in_flight
+            full = self.rows_left() <= 0 or (
+                limit is not None and policy.stats().batches_in_flight >= limit
+            )
+            assert held or not fits or full, f"{entry.request_id} could go"
 
     def check_waits(self) -> None:
         # Nobody waits past its lane's bound + batch timeout while what it needs is free, unless
         # an older overdue request is blocked: the core then keeps freed room for that one
         # (draining for it is what stops a large request from starving).
+        if self.config.continuous_batching:
+            return  # deadline order: check_deadline_order
         mirror = self.policy.mirror
         limit = self.config.max_batches_in_flight
         slot = limit is None or self.policy.stats().batches_in_flight < limit
 
         def fits(entry: Entry) -> bool:
             need = self.policy.need(entry)
-            lane = next(n for n, q in self.policy.lanes.items() if entry.request_id in q.entries)
             fits_kv = mirror.admissible([need], [entry.prompt_tokens]) == 1
-            return fits_kv and self.rows_left(lane) > 0 and slot
+            return fits_kv and self.rows_left() > 0 and slot
 
         overdue = []
         for rid, lane_name in self.policy.queued_ids().items():
@@ -725,18 +753,10 @@ class PolicyMachine(RuleBasedStateMachine):
         continuous=st.booleans(),
         batches=st.sampled_from([None, 1, 2]),
         prefill=st.sampled_from([None, 200, 2000]),
-        cold_rows=st.sampled_from([None, 0.1, 0.5]),
     )
-    def engine_batching(
-        self, continuous: bool, batches: int | None, prefill: int | None, cold_rows: float | None
-    ) -> None:
-        lanes = tuple(
-            replace(lane, max_rows_share=cold_rows) if lane.name == "cold" else lane
-            for lane in self.config.lanes
-        )
+    def engine_batching(self, continuous: bool, batches: int | None, prefill: int | None) -> None:
         self.config = replace(
             self.config,
-            lanes=lanes,
             continuous_batching=continuous,
             max_batches_in_flight=batches,
             prefill_budget_tokens=prefill,

@@ -67,13 +67,13 @@ def test_the_policy_shields_hot_requests_under_overload() -> None:
     scenario = with_duration(SCENARIOS["spread_8to1"], 10.0)
     fifo = summarize(simulate(scenario, "fifo", "inflight", seed=0))
     policy = summarize(simulate(scenario, "policy", "inflight", seed=0))
-    # Hot requests predicted past hot's 100 ms are refused at arrival; those that time out
-    # anyway join the warm lane and are served late, so the tail is theirs (not failures): the
-    # policy's hot tail is shorter, but only just (issue 28).
-    assert policy["lanes"]["hot"]["ttft_p50_ms"] < fifo["lanes"]["hot"]["ttft_p50_ms"] / 2
-    assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"]
+    # In deadline order hot requests start first and the long prompts' unprefilled tokens are
+    # budgeted: hot's tail is a fraction of Triton alone's (1,235 -> 276 ms at seed 0). A hot
+    # request that still reaches its target is answered then, not served late from warm.
+    assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"] / 3
     assert policy["goodput_rps"] > fifo["goodput_rps"]
-    assert policy["failed_after_accept"] == 0 and policy["rejected_fast"] > 0  # refused early
+    assert policy["failed_after_accept"] == policy["counters"]["expired_no_fallback"]
+    assert "degraded_lane" not in policy["counters"]
     static_fifo = summarize(simulate(scenario, "fifo", "static", seed=0))
     static_policy = summarize(simulate(scenario, "policy", "static", seed=0))
     assert static_policy["padding_ratio"] < 0.15
@@ -151,8 +151,8 @@ def test_time_per_output_token_bounds_the_slo_where_asked() -> None:
         assert o.tpot_s is not None and o.done_s is not None and o.first_token_s is not None
         assert o.tpot_s * (o.request.output_tokens - 1) == pytest.approx(o.done_s - o.first_token_s)
     fastest = min(o.tpot_s or 0.0 for o in served)
-    assert all(o.within_slo() == o.within_slo(1.0) for o in run.outcomes)  # a loose bound
-    assert not any(o.within_slo(fastest / 2) for o in served)  # a bound nobody meets
+    assert all(o.within_slo(run.slo_s) == o.within_slo(run.slo_s, 1.0) for o in run.outcomes)
+    assert not any(o.within_slo(run.slo_s, fastest / 2) for o in served)  # nobody meets it
     assert meets_slo(run) and not meets_slo(run, fastest / 2)
     summary = summarize(run)
     assert summary["lanes"]["hot"]["tpot_p99_ms"] >= fastest * 1000
