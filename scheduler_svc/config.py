@@ -33,6 +33,7 @@ from scheduler_svc.core.routing import (
     RouteRule,
     SpecGateConfig,
 )
+from scheduler_svc.core.slo import lane_targets
 from scheduler_svc.errors import ConfigError
 
 # Requests in flight until the engine's profile has been read (none is dispatched before then);
@@ -615,10 +616,27 @@ class SidecarConfig(_Frozen):
             changes["continuous_batching"] = not static
         if "max_batches_in_flight" not in self.policy:
             changes["max_batches_in_flight"] = engine.batches_at_once if static else None
+        lanes = base.lanes
+        if not static and engine.step_cost is not None:
+            # The engine says what a step costs: each lane works to the one SLO rule's bound
+            # on it (core/slo.py), unless the policy section pins the lane's target.
+            targets = lane_targets(
+                ((lane.name, lane.min_prompt_tokens) for lane in lanes),
+                lambda tokens: engine.prefill_s(tokens) or 0.0,
+            )
+            pins = self._lane_pins()
+            lanes = tuple(
+                lane
+                if "ttft_target_s" in pins.get(lane.name, {})
+                else dataclasses.replace(lane, ttft_target_s=targets[lane.name])
+                for lane in lanes
+            )
+            if lanes != base.lanes:
+                changes["lanes"] = lanes
         if "prefill_budget_tokens" not in self.policy and not static:
             # From the engine's cost per prompt token where it says, else two of its steps.
-            tightest = min(lane.ttft_target_s for lane in base.lanes)
-            budget = prefill_budget_tokens(tightest, engine.prompt_token_s, engine.max_num_tokens)
+            tightest = min(lane.ttft_target_s for lane in lanes)
+            budget = prefill_budget_tokens(tightest, engine.prompt_token_s(), engine.max_num_tokens)
             if budget is not None:
                 changes["prefill_budget_tokens"] = budget
         if static:
@@ -648,6 +666,17 @@ class SidecarConfig(_Frozen):
                 base.predict, quantile=MEDIAN_FOR_ALLOCATING_ENGINES
             )
         return dataclasses.replace(base, **changes) if changes else base
+
+    def _lane_pins(self) -> dict[str, Mapping[str, Any]]:
+        """The keys the policy section gives per lane name (a whole new lane set pins all)."""
+        lanes = self.policy.get("lanes")
+        if not isinstance(lanes, list):
+            return {}
+        return {
+            lane["name"]: lane
+            for lane in lanes
+            if isinstance(lane, Mapping) and isinstance(lane.get("name"), str)
+        }
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:
         """`base` with `changes` applied (the config file, UpdatePolicy, SIGHUP). A lane given

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from scheduler_svc.core.routing import RouteClass
+from scheduler_svc.profiles import CostProfile
 
 
 class Batching(StrEnum):
@@ -37,9 +38,22 @@ class EngineProfile:
     # Whether the engine reserves prompt + max_tokens when it admits a sequence (TensorRT-LLM's
     # guaranteed_no_evict, its default) rather than allocating as tokens come (max_utilization).
     reserves_max_tokens: bool = True
-    # Seconds one prompt token adds to an engine step, where the engine says (an emulated
-    # engine's cost profile at its time scale); the prefill budget is derived from it.
-    prompt_token_s: float | None = None
+    # What an engine step costs, where the engine says (an emulated engine's cost profile),
+    # and the factor its steps are slowed by; lane targets and the prefill budget follow it.
+    step_cost: CostProfile | None = None
+    time_scale: float = 1.0
+
+    def prefill_s(self, prompt_tokens: int) -> float | None:
+        """An idle engine's time to first token for a prompt, where the cost is known."""
+        if self.step_cost is None:
+            return None
+        return self.step_cost.prefill_s(prompt_tokens) * self.time_scale
+
+    def prompt_token_s(self) -> float | None:
+        """What one more prompt token adds to a step, where the cost is known."""
+        if self.step_cost is None:
+            return None
+        return self.step_cost.per_prompt_token_s * self.time_scale
 
     def sequences(self) -> int:
         """Sequences the engine runs at once: its max_num_sequences where it says, else

@@ -257,23 +257,23 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         max_num_tokens=_int_parameter(config, "max_num_tokens"),
         kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
         reserves_max_tokens=not allocates_as_it_goes,
-        prompt_token_s=_prompt_token_s(config),
+        **_step_cost(config),
     )
 
 
-def _prompt_token_s(config: model_config_pb2.ModelConfig) -> float | None:
-    """Seconds a prompt token costs an emulated engine (its cost profile x its time scale);
-    None for a real one or a profile this process cannot read."""
+def _step_cost(config: model_config_pb2.ModelConfig) -> dict[str, Any]:
+    """An emulated engine's cost profile and time scale (EngineProfile fields); nothing for a
+    real engine or a profile this process cannot read."""
     timing = config.parameters.get("timing")
     name = config.parameters.get("cost_profile")
     if timing is None or timing.string_value != "emulated" or name is None:
-        return None
+        return {}
     scale = config.parameters.get("time_scale")
     try:
         factor = float(scale.string_value) if scale is not None else 1.0
-        return load_profile(name.string_value).per_prompt_token_s * factor
+        return {"step_cost": load_profile(name.string_value), "time_scale": factor}
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def channel_credentials(tls: TritonTls) -> grpc.ChannelCredentials:

@@ -173,6 +173,8 @@ def time_keys_scaled(mapping: Mapping[str, Any], scale: float) -> dict[str, Any]
             inner = time_keys_scaled(value, scale)
             if inner:
                 out[key] = inner
+        elif key == "ttft_target_s":
+            continue  # the sidecar derives it from the engine's cost profile, at its scale
         elif key.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool):
             out[key] = value * scale
     return out

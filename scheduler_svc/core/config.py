@@ -12,7 +12,9 @@ Defaults (DESIGN.md, "Priority lanes by token length"):
     warm  256-1023       45 %   32         500 ms         wait again, up to 2 times
     cold  >= 1024        15 %   8          none           elastic pool, else keep waiting
 On an in-flight engine requests start earliest deadline first (arrival + the lane's TTFT
-target: hot 250 ms, warm 500 ms, cold 2 s) and the lane timers act at those targets.
+target) and the lane timers act at those targets: hot 250 ms, warm 350 ms, cold 1.5 s, the one
+SLO rule's bounds (core/slo.py) on the CPU reference engine (unloaded 20 / 69 / 311 ms); where
+the engine states its step cost (an emulated engine) the sidecar derives them from it.
 SmartBatching (1.5, 50 ms); circuit breaker at a hot backlog of 50; paged KV, 16 tokens a block.
 Predictive admission on: a lane refuses at arrival what its learned drain rate says cannot
 start within the time the lane allows (its timeouts, requeues and degrade chain) or the
@@ -112,7 +114,7 @@ def default_lanes() -> tuple[LaneConfig, ...]:
             OnTimeout.REQUEUE,
             2,
             max_wait_s=1.0,
-            ttft_target_s=0.5,
+            ttft_target_s=0.35,
         ),
         LaneConfig(
             "cold",
@@ -123,7 +125,7 @@ def default_lanes() -> tuple[LaneConfig, ...]:
             None,
             OnTimeout.ELASTIC,
             max_wait_s=5.0,
-            ttft_target_s=2.0,
+            ttft_target_s=1.5,
         ),
     )
 

@@ -738,6 +738,7 @@ class PolicyScheduler:
         if (old_kv.mode, old_kv.tokens_per_block) != (new_kv.mode, new_kv.tokens_per_block):
             raise ValueError("kv.mode and kv.tokens_per_block cannot change while running")
         to_deadlines = config.continuous_batching and not self.config.continuous_batching
+        from_deadlines = self.config.continuous_batching and not config.continuous_batching
         self.config = config
         for lane in config.lanes:
             self.lanes[lane.name].reconfigure(lane)
@@ -751,6 +752,13 @@ class PolicyScheduler:
                 self._deadlines[name].append((entry.deadline, entry.seq, entry.request_id))
             for heap in self._deadlines.values():
                 heapq.heapify(heap)
+        if from_deadlines:  # back to lane order: what waits ages from its arrival again
+            for name, entry in self._queued.values():
+                max_wait = self.lanes[name].config.max_wait_s
+                if max_wait is not None and not entry.promoted:
+                    self._timer(
+                        entry.arrived_at + max_wait, _Timer(_AGING, name, entry.request_id, -1)
+                    )
         self.breaker.config = config.breaker
         self.shares.reconfigure(
             {lane.name: lane.share for lane in config.lanes}, config.quantum_tokens

@@ -9,7 +9,7 @@ requests were refused or failed; QPS at the SLO is the highest offered rate that
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 SLO_FACTOR = 5.0
 SLO_FLOOR_S = 0.25
@@ -19,6 +19,21 @@ MAX_REFUSED = 0.01
 def lane_slo_s(unloaded_median_s: float) -> float:
     """A lane's bound on P99 TTFT from its unloaded median TTFT on the engine."""
     return max(SLO_FLOOR_S, SLO_FACTOR * unloaded_median_s)
+
+
+def typical_prompt(min_prompt_tokens: int) -> int:
+    """The prompt a lane stands for when its unloaded time is computed rather than measured:
+    twice its lower bound, at least 128 tokens (hot 128, warm 512, cold 2,048 by default)."""
+    return max(128, 2 * min_prompt_tokens)
+
+
+def lane_targets(
+    lanes: Iterable[tuple[str, int]], prefill_s: Callable[[int], float]
+) -> dict[str, float]:
+    """Each lane's TTFT target by this rule where the engine's unloaded time is known
+    (`prefill_s`: an idle engine's time to first token for a prompt; `lanes`: (name, lower
+    bound in prompt tokens))."""
+    return {name: lane_slo_s(prefill_s(typical_prompt(low))) for name, low in lanes}
 
 
 def p99(values: Sequence[float]) -> float | None:

@@ -30,7 +30,7 @@ from scheduler_svc.core.config import (
 )
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
-from scheduler_svc.core.slo import lane_slo_s
+from scheduler_svc.core.slo import lane_slo_s, lane_targets
 from scheduler_svc.core.types import Dispatch, Expired, Rejected, Request, Scheduler, Urgency
 from scheduler_svc.profiles import CostProfile, load_profile
 from scheduler_svc.sim.engine import (
@@ -128,7 +128,6 @@ def make_scheduler(
     engine: str,
     cost: CostProfile,
     kv_mode: KvMode,
-    slo_s: dict[str, float] | None = None,
 ) -> Scheduler | None:
     if target == "fifo":
         return None
@@ -155,12 +154,12 @@ def make_scheduler(
         predict = PredictConfig()
         if engine == "inflight":
             predict = PredictConfig(quantile=MEDIAN_FOR_ALLOCATING_ENGINES)
-        # The lanes work to the engine's SLO (their TTFT targets order an in-flight engine's
-        # starts), as the sidecar's do with a cost profile.
-        lanes = tuple(
-            replace(lane, ttft_target_s=(slo_s or {}).get(lane.name, lane.ttft_target_s))
-            for lane in default_lanes()
+        # The lanes work to the one SLO rule's bounds on this engine, from its cost profile,
+        # as the sidecar's do where the engine says what a step costs (policy_for_engine).
+        targets = lane_targets(
+            ((lane.name, lane.min_prompt_tokens) for lane in default_lanes()), cost.prefill_s
         )
+        lanes = tuple(replace(lane, ttft_target_s=targets[lane.name]) for lane in default_lanes())
         budget = prefill_budget_tokens(
             min(lane.ttft_target_s for lane in lanes), cost.per_prompt_token_s, cost.max_num_tokens
         )
@@ -202,7 +201,7 @@ class _Run:
             raise ValueError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
         self.requests = generate(scenario, seed, qps)
         slo = lane_slos(generate(scenario, seed), cost)
-        self.sched = make_scheduler(target, engine, cost, kv_mode, slo)
+        self.sched = make_scheduler(target, engine, cost, kv_mode)
         if isinstance(self.sched, PolicyScheduler) and warmup:
             learn_outputs(self.sched, generate(scenario, seed + WARMUP_SEED)[:warmup])
         self.engine: InflightEngine | StaticEngine = (

@@ -35,7 +35,6 @@ def test_every_duration_of_the_policy_and_nothing_else_is_scaled() -> None:
         "queue_timeout_s": 2.0,
         "max_wait_s": 2.0,
         "batch_timeout_s": 1.0,
-        "ttft_target_s": 5.0,
     }
     assert "queue_timeout_s" not in scaled["lanes"][2]  # cold has none: it stays none
     assert scaled["breaker"] == {"min_open_s": 20.0}
