@@ -220,7 +220,9 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_emulated(args)
     args.plan = args.plan or "full"
     if args.plan not in plan.PLANS:
-        raise ConfigError(f"--plan {args.plan} needs --engine-profile (CPU plans: full, slo, kv)")
+        raise ConfigError(
+            f"--plan {args.plan} needs --engine-profile (CPU plans: full, slo, kv, deadline)"
+        )
     chosen = plan.QUICK if args.quick else plan.PLANS[args.plan]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir = Path(args.out) if args.out else Path("results") / "bench" / f"{chosen.name}-{stamp}"
@@ -589,7 +591,7 @@ def _add_bench_command(commands: Any) -> None:
     )
     bench.add_argument(
         "--plan",
-        choices=("full", "slo", "kv", "agree", "document"),
+        choices=("full", "slo", "kv", "deadline", "agree", "document"),
         default=None,
         help="on the CPU engine: full (the default: every mix, load and QPS-at-SLO search), "
         "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "

@@ -459,6 +459,12 @@ class GenerationService:
                 "max_tokens or lower lane to degrade to",
                 retry,
             )
+        if decision.reason == ExpireReason.MISSED_TARGET:
+            return OverloadedError(
+                f"{waited}, past its lane's time-to-first-token target, with no fallback "
+                "backend or shorter max_tokens: answered now rather than served late",
+                retry,
+            )
         if decision.reason == ExpireReason.PREDICTED_LATE:
             return OverloadedError(
                 f"{waited}, past its queue timeout; the lower lane it would join is predicted "

@@ -140,11 +140,13 @@ class Plan:
     # Requests each target serves, closed loop, before its search: what a deployed sidecar has
     # learned (output lengths) by the time it is measured. Not counted in any figure.
     warmup_requests: int = 0
+    # Who runs every step (`defaults_at` adds make run's policy where it says).
+    step_targets: tuple[str, ...] = TARGETS
 
     def targets(self, step: Step) -> tuple[str, ...]:
         """Who runs a step."""
         extra = (DEFAULTS_TARGET,) if (step.engine, step.mix) in self.defaults_at else ()
-        return TARGETS + extra
+        return self.step_targets + tuple(t for t in extra if t not in self.step_targets)
 
     def mixes(self, engine: str) -> list[str]:
         """Mixes to calibrate on `engine` (the burst is offered at the chat mix's rate)."""
@@ -237,7 +239,34 @@ KV = Plan(
     slo_target_set=("triton", "policy", SUMMED_TARGET),
     warmup_requests=48,
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV)}
+# Issue 28's protocol on the in-flight engine, for the shipped defaults (make run's sidecar)
+# against Triton alone: below saturation (0.3x, 0.6x, 0.9x of the closed-loop capacity, the
+# ceiling), overload (mixed at 1.2x; chat at 10x for the burst), QPS at the P99 SLO by bisection
+# to 2 % of capacity (0.25x-1.5x, 6 halvings) with trials of at least 300 requests, and the
+# no-load overhead. One search per target: a repeat costs another ~25 minutes here.
+DEADLINE = Plan(
+    "deadline",
+    ("inflight",),
+    tuple(
+        _grid("inflight", ["mixed", "spread_8to1"], [0.3, 0.6, 0.9])
+        + _grid("inflight", ["mixed"], [1.2])
+        + [Step("inflight", "burst", BURST_LOAD)]
+    ),
+    duration_s=30.0,
+    burst_s=2.0,
+    calibrate_s=8.0,
+    deadline_s=30.0,
+    overhead_rounds=60,
+    slo_points=(("inflight", "mixed"), ("inflight", "spread_8to1")),
+    slo_range=(0.25, 1.5),
+    slo_iterations=6,
+    slo_window_s=20.0,
+    slo_min_requests=300,
+    slo_target_set=("triton", DEFAULTS_TARGET),
+    step_targets=("triton", DEFAULTS_TARGET),
+    warmup_requests=32,
+)
+PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE)}
 
 
 def lane_of(prompt_tokens: int) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scheduler_svc.bench import plan as P  # noqa: N812 - read as the plan's namespace
 from scheduler_svc.bench.plan import ENDS_ITSELF, LANES, TARGET_NAMES, TARGETS, ratio
 
 KV_ENGINE_NAMES = {
@@ -161,15 +162,20 @@ def overhead(results: dict[str, Any]) -> list[str]:
         [
             TARGET_NAMES[t],
             str(o[t]["n"]),
+            fmt(o[t].get("ttft_p50_ms"), " ms"),
+            fmt(o[t].get("added_ttft_p50_ms"), " ms"),
             fmt(o[t]["e2e_p50_ms"], " ms"),
             fmt(o[t]["e2e_p99_ms"], " ms"),
             fmt(o[t]["added_p50_ms"], " ms"),
         ]
-        for t in TARGETS
+        for t in TARGET_NAMES
+        if t in o
     ]
-    return table_lines(
-        ["target", "requests", "P50 end-to-end", "P99 end-to-end", "added P50"], rows
-    )
+    header = [
+        "target", "requests", "P50 TTFT", "added P50 TTFT", "P50 end-to-end", "P99 end-to-end",
+        "added P50",
+    ]  # fmt: skip
+    return table_lines(header, rows)
 
 
 def _searched(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
@@ -303,6 +309,8 @@ def markdown(results: dict[str, Any]) -> str:
         load = top_load(results, engine, mix)
         lines += [f"## {mix}, {engine} engine, {load:g}× capacity", ""]
         lines += [*headline(results, engine, mix, load), ""]
+    if results.get("parameters", {}).get("plan") == "deadline":
+        lines += deadline_sections(results)
     kv = kv_pressure(results)
     if kv:
         lines += ["## KV pressure: QPS at the P99 SLO with a generous max_tokens", "", *kv, ""]
@@ -317,6 +325,126 @@ def markdown(results: dict[str, Any]) -> str:
     if results["runs"]:
         lines += ["## Every run", "", *all_runs(results), ""]
     return "\n".join(lines)
+
+
+def _refused(summary: dict[str, Any]) -> int:
+    return int(summary["rejected_fast"] + summary["rejected_queued"])
+
+
+def below_saturation(results: dict[str, Any], other: str) -> list[str]:
+    """Issue 28's second target: every lane's P99 TTFT through `other` over Triton alone's at
+    the same arrivals, and what was refused, at each load below capacity."""
+    rows = []
+    for engine, mix, load in steps(results):
+        if load >= 1.0 or mix == "burst":
+            continue
+        by_target = runs_at(results, engine, mix, load)
+        base, mine = by_target.get("triton"), by_target.get(other)
+        if base is None or mine is None:
+            continue
+        lanes = [lane for lane in LANES if lane in mine["lanes"]]
+        cells = []
+        for lane in lanes:
+            a, b = base["lanes"].get(lane, {}), mine["lanes"][lane]
+            a99, b99 = a.get("ttft_p99_ms"), b.get("ttft_p99_ms")
+            cells.append(f"{lane} {fmt(a99)} → {fmt(b99)} ms ({fmt(ratio(b99, a99), '×')})")
+        worst = max(
+            (
+                ratio(
+                    mine["lanes"][lane].get("ttft_p99_ms"),
+                    base["lanes"].get(lane, {}).get("ttft_p99_ms"),
+                )
+                or 0.0
+                for lane in lanes
+            ),
+            default=None,
+        )
+        rows.append(
+            [
+                mix,
+                f"{load:g}×",
+                str(mine["requests"]),
+                "; ".join(cells),
+                fmt(worst, "×"),
+                f"{_refused(mine)} ({_refused(base)})",
+            ]
+        )
+    header = [
+        "mix", "load", "requests", "P99 TTFT per lane: Triton alone → sidecar",
+        "worst lane ratio", "refused: sidecar (Triton alone)",
+    ]  # fmt: skip
+    return table_lines(header, rows)
+
+
+def slo_against(results: dict[str, Any], other: str) -> list[str]:
+    """QPS at the P99 SLO through `other` and Triton alone, over each other and as a share of
+    the engine's closed-loop capacity (the ceiling)."""
+    rows = []
+    for (engine, mix), by_target in _searched(results).items():
+        base = by_target.get("triton", {}).get("qps_at_slo")
+        mine = by_target.get(other, {}).get("qps_at_slo")
+        capacity = (by_target.get("triton") or by_target.get(other) or {}).get("capacity_rps")
+        rows.append(
+            [
+                engine,
+                mix,
+                fmt(capacity, "/s"),
+                fmt(ratio(capacity, base), "×"),
+                fmt(base, "/s"),
+                fmt(mine, "/s"),
+                fmt(ratio(mine, base), "×"),
+                fmt(ratio(mine, capacity), ""),
+            ]
+        )
+    header = [
+        "engine", "mix", "capacity (closed loop)", "ceiling (capacity ÷ Triton alone)",
+        "Triton alone", TARGET_NAMES[other], "sidecar ÷ Triton alone", "sidecar ÷ capacity",
+    ]  # fmt: skip
+    return table_lines(header, rows)
+
+
+def overload(results: dict[str, Any], other: str) -> list[str]:
+    """Issue 28's fifth target: past capacity, the short-prompt tail over its unloaded median,
+    refusals answered fast, goodput, and requests lost after acceptance."""
+    rows = []
+    for engine, mix, load in steps(results):
+        if load < 1.0:
+            continue
+        unloaded = results["calibration"][engine]["unloaded_ttft_ms"].get("hot")
+        by_target = runs_at(results, engine, mix, load)
+        for target in ("triton", other):
+            summary = by_target.get(target)
+            if summary is None:
+                continue
+            hot = summary["lanes"].get("hot", {}).get("ttft_p99_ms")
+            rows.append(
+                [
+                    f"{mix} {load:g}×",
+                    TARGET_NAMES[target],
+                    fmt(hot, " ms"),
+                    fmt(ratio(hot, unloaded), "×"),
+                    pct(summary["refused_fast_share"]),
+                    fmt(summary["goodput_rps"], "/s"),
+                    fmt(ratio(summary["goodput_rps"], by_target["triton"]["goodput_rps"]), "×"),
+                    str(summary["failed"]),
+                ]
+            )
+    header = [
+        "run", "target", "hot P99 TTFT", "÷ unloaded hot", "refusals within 50 ms", "goodput",
+        "÷ Triton alone", "failed after acceptance",
+    ]  # fmt: skip
+    return table_lines(header, rows)
+
+
+def deadline_sections(results: dict[str, Any]) -> list[str]:
+    """The deadline plan's tables (issue 28's targets), for make run's sidecar."""
+    other = P.DEFAULTS_TARGET
+    lines = ["## Issue 28's targets: make run's sidecar against Triton alone", ""]
+    lines += ["### Below saturation (same arrivals)", "", *below_saturation(results, other), ""]
+    if results.get("slo_search"):
+        lines += ["### QPS at the P99 SLO", "", *slo_against(results, other), ""]
+    lines += ["### Overload", "", *overload(results, other), ""]
+    return lines
 
 
 def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -136,33 +136,45 @@ async def _calibrate(
 
 
 async def _overhead(st: Stack, rounds: int, prompts: Prompts) -> dict[str, Any]:
-    """Short requests one at a time, to Triton directly and through each sidecar, interleaved."""
+    """Short requests one at a time, to Triton directly and through each in-flight sidecar,
+    interleaved."""
     clients: dict[str, Client] = {
-        "triton": TritonClient(st.triton.grpc_url, engine_model("inflight")),
-        "fifo": SidecarClient(st.sidecars[("inflight", "fifo")]),
-        "policy": SidecarClient(st.sidecars[("inflight", "policy")]),
+        "triton": TritonClient(st.triton.grpc_url, engine_model("inflight"))
     }
+    for (strategy, target), address in st.sidecars.items():
+        if strategy == "inflight":
+            clients[target] = SidecarClient(address)
     e2e: dict[str, list[float]] = {t: [] for t in clients}
+    ttft: dict[str, list[float]] = {t: [] for t in clients}
     try:
         for i in range(rounds):
             r = BenchRequest(f"overhead-{i}", 0.0, prompts.ids(16, offset=i), 2, 0, "overhead")
-            order = list(clients)[i % 3 :] + list(clients)[: i % 3]
+            turn = i % len(clients)
+            order = list(clients)[turn:] + list(clients)[:turn]
             for target in order:
                 outcome = await clients[target].send(r, 30.0)
                 if outcome.state == "ok" and outcome.e2e_s is not None:
                     e2e[target].append(outcome.e2e_s)
+                if outcome.state == "ok" and outcome.ttft_s is not None:
+                    ttft[target].append(outcome.ttft_s)
     finally:
         for c in clients.values():
             await c.close()
     out: dict[str, Any] = {"rounds": rounds, "prompt_tokens": 16, "max_tokens": 2}
     base = statistics.median(e2e["triton"]) if e2e["triton"] else None
+    base_ttft = statistics.median(ttft["triton"]) if ttft["triton"] else None
     for target, values in e2e.items():
         p50 = statistics.median(values) if values else None
+        first = statistics.median(ttft[target]) if ttft[target] else None
         out[target] = {
             "n": len(values),
             "e2e_p50_ms": P.to_ms(p50),
             "e2e_p99_ms": P.to_ms(percentile(values, 99)),
             "added_p50_ms": None if p50 is None or base is None else round((p50 - base) * 1000, 2),
+            "ttft_p50_ms": P.to_ms(first),
+            "added_ttft_p50_ms": (
+                None if first is None or base_ttft is None else round((first - base_ttft) * 1000, 2)
+            ),
         }
     return out
 
@@ -222,11 +234,13 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             results["calibration"][strategy] = cal
             slo = {lane: ms / 1000 for lane, ms in cal["slo_ttft_ms"].items()}
             # The sidecars this engine's steps and searches need.
-            wanted = set(P.TARGETS if plan.steps else plan.slo_target_set)
+            wanted = set(plan.slo_target_set)
+            wanted |= {t for step in plan.steps for t in plan.targets(step)}
             targets: list[str] = [t for t in ("fifo", "policy", P.SUMMED_TARGET) if t in wanted]
             if any(engine == strategy for engine, _ in plan.slo_matrix):
                 targets += P.MATRIX_TARGETS
-            if any(engine == strategy for engine, _ in plan.defaults_at):
+            defaults = any(engine == strategy for engine, _ in plan.defaults_at)
+            if defaults or P.DEFAULTS_TARGET in wanted:
                 targets.append(P.DEFAULTS_TARGET)
             st.add_sidecars(strategy, slo, targets)
             progress.advance(f"calibrated the {strategy} engine")

@@ -107,6 +107,7 @@ EVENTS = (
     "degraded_lane",
     "expired_queue_timeout",
     "expired_no_fallback",
+    "expired_missed_target",
     "expired_requeue_limit",
     "expired_predicted_late",
     "rejected_queue_full",
@@ -219,8 +220,8 @@ class PolicyScheduler:
                 return self._reject(
                     rid,
                     RejectReason.PREDICTED_LATE,
-                    f"it would start in about {wait * 1000:.0f} ms behind the work due before "
-                    f"it; lane {lane!r} may wait {allowed * 1000:.0f} ms",
+                    f"lane {lane!r} would start it in about {wait * 1000:.0f} ms, behind the "
+                    f"work due before it; it may wait {allowed * 1000:.0f} ms",
                     wait,
                 )
             return self._reject(
@@ -517,9 +518,15 @@ class PolicyScheduler:
         waits ahead of it; it is refused only where that lane is predicted to start it too
         late, or where there is no lower lane."""
         rid, lower = entry.request_id, self._lower(lane)
-        if lower is None or self.deadline_order:
+        if self.deadline_order:
             # In deadline order a hot request past its target is answered now, not served from
             # a lower lane seconds late (where it would also take room from work still in time).
+            retry = self.predicted_wait(lane)
+            self._drop(lane, entry)
+            out.append(Expired(rid, ExpireReason.MISSED_TARGET, lane, retry))
+            self.counters["expired_missed_target"] += 1
+            return
+        if lower is None:
             retry = self.predicted_wait(lane)
             self._drop(lane, entry)
             out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane, retry))

@@ -32,6 +32,9 @@ class ExpireReason(StrEnum):
 
     QUEUE_TIMEOUT = "queue_timeout"
     NO_FALLBACK = "hot_timeout_no_fallback"
+    # In deadline order (an in-flight engine): past its lane's TTFT target with no fallback
+    # backend and no shorter answer; answered now rather than served late from a lower lane.
+    MISSED_TARGET = "missed_target"
     REQUEUE_LIMIT = "requeue_limit"
     # Past its lane's timeout, and the lower lane it would join could not start it in time.
     PREDICTED_LATE = "predicted_late"

@@ -34,7 +34,9 @@ TEPID = {
     "on_timeout": "requeue",
 }
 ALL_TEPID = {"watch_lane": "tepid", "demote_lane": "tepid", "to_lane": "tepid"}
-PATIENT_HOT = {"lanes": [{"name": "hot", "queue_timeout_s": 30, "max_wait_s": 30}]}
+PATIENT_HOT = {
+    "lanes": [{"name": "hot", "queue_timeout_s": 30, "max_wait_s": 30, "ttft_target_s": 30}]
+}
 
 
 def text_of(n: int) -> str:
@@ -106,7 +108,10 @@ def in_threads(jobs: list[Callable[[], Any]]) -> list[Any]:
 def test_hot_requests_overtake_queued_cold_ones(
     triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
 ) -> None:
-    sidecar = sidecar_factory(triton, {"queue": {"max_in_flight": 1}, "policy": PATIENT_HOT})
+    # Deadline order: hot is due 30 s after it arrives, cold 300 s after (both patient enough
+    # on this engine that nobody is refused), so hot is due before the queued cold ones.
+    lanes = [*PATIENT_HOT["lanes"], {"name": "cold", "ttft_target_s": 300}]
+    sidecar = sidecar_factory(triton, {"queue": {"max_in_flight": 1}, "policy": {"lanes": lanes}})
     cold_prompt = text_of(1100)
     done: list[str] = []
 
@@ -434,7 +439,8 @@ def test_cold_requests_past_their_timeout_go_to_the_elastic_pool(
     config = {
         "queue": {"max_in_flight": 1},
         "elastic": {"url": triton.grpc_url},  # in production: an overflow cluster
-        "policy": {"lanes": [{"name": "cold", "queue_timeout_s": 0.2}]},
+        # On an in-flight engine a lane with a timeout acts at its TTFT target.
+        "policy": {"lanes": [{"name": "cold", "queue_timeout_s": 0.2, "ttft_target_s": 0.2}]},
     }
     sidecar = sidecar_factory(triton, config)
     cold_prompt = text_of(1100)  # before the clock starts: the first tokenizer load is slow
@@ -525,8 +531,9 @@ def test_a_burst_past_what_the_lanes_drain_is_refused_at_arrival(
     def short(i: int) -> Callable[[], pb.GenerateResponse]:
         return lambda: ask(sidecar, f"Say something short, number {i}.", 8)
 
-    # Learn: a queue forms behind two running requests, and they drain.
-    learned = in_threads([short(i) for i in range(16)])
+    # Learn: a short queue forms behind two running requests, and they drain (in waves of
+    # four, so that none waits past hot's 250 ms target and is refused).
+    learned = [r for w in range(4) for r in in_threads([short(4 * w + i) for i in range(4)])]
     assert sum(isinstance(r, pb.GenerateResponse) for r in learned) >= 8
     rates = scrape(metrics)
     assert any(
@@ -553,3 +560,32 @@ def test_a_burst_past_what_the_lanes_drain_is_refused_at_arrival(
     eventually(  # the metrics page reads a stats snapshot that may trail by a moment
         lambda: scrape(metrics)[key] == len(early), "every early refusal is counted"
     )
+
+
+def test_deadline_order_goes_at_once_and_refuses_a_hot_request_past_its_target(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    """The in-flight engine's deadline order on the real stack, with make run's lane targets:
+    a request to an idle sidecar leaves its queue in the same turn it arrives (no batch timer,
+    no bucket to fill), and a hot request that cannot start within hot's 250 ms target (the
+    engine's one sequence is held by a long answer) is refused then, RESOURCE_EXHAUSTED naming
+    the target, while the long request still runs: not served seconds late."""
+    port = free_port()
+    sidecar = sidecar_factory(
+        triton, {"server": {"metrics_port": port}, "queue": {"max_in_flight": 1}}
+    )
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    long_done: list[pb.GenerateResponse] = []
+    runner = threading.Thread(target=lambda: long_done.append(ask(sidecar, text_of(1100), 200)))
+    runner.start()
+    eventually(lambda: stats(sidecar).in_flight == 1, "the long request runs")
+    wait = ("scheduler_svc_queue_wait_seconds", frozenset({("lane", "cold")}))
+    eventually(lambda: scrape(metrics).get((f"{wait[0]}_count", wait[1])) == 1, "its wait seen")
+    assert scrape(metrics)[(f"{wait[0]}_sum", wait[1])] < 0.005  # sent in its arrival's turn
+    with pytest.raises(grpc.RpcError) as refused:
+        ask(sidecar, "What time is it?", 4)
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "time-to-first-token target" in (refused.value.details() or "")
+    assert not long_done and stats(sidecar).in_flight == 1  # the long answer is still running
+    runner.join(WAIT_S)
+    assert long_done and len(long_done[0].token_ids) == 200

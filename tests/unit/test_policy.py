@@ -305,6 +305,7 @@ def test_a_hot_request_past_its_target_is_answered_at_once_not_sent_down() -> No
     assert policy.schedule(0.2) == []
     [expired] = policy.schedule(0.25)  # hot's 250 ms target, no fallback: refused now
     assert isinstance(expired, Expired) and expired.request_id == "h0"
+    assert expired.reason is ExpireReason.MISSED_TARGET
     assert "degraded_lane" not in dict(policy.stats().counters)
     # A requeue lane waits again, twice, keeping its place; then it is refused.
     assert policy.schedule(0.35) == [] and policy.schedule(0.7) == []

@@ -72,7 +72,7 @@ def test_the_policy_shields_hot_requests_under_overload() -> None:
     # request that still reaches its target is answered then, not served late from warm.
     assert policy["lanes"]["hot"]["ttft_p99_ms"] < fifo["lanes"]["hot"]["ttft_p99_ms"] / 3
     assert policy["goodput_rps"] > fifo["goodput_rps"]
-    assert policy["failed_after_accept"] == policy["counters"]["expired_no_fallback"]
+    assert policy["failed_after_accept"] == policy["counters"]["expired_missed_target"]
     assert "degraded_lane" not in policy["counters"]
     static_fifo = summarize(simulate(scenario, "fifo", "static", seed=0))
     static_policy = summarize(simulate(scenario, "policy", "static", seed=0))
