@@ -594,11 +594,13 @@ class SidecarConfig(_Frozen):
         """`base` with what the engine's profile decides, where the `policy` section does not
         pin it: as many requests in flight as the engine runs sequences (queue.max_in_flight
         null); a static engine gets no continuous batching and as many batches in flight as
-        it runs at once; an in-flight engine batches continuously with no batch limit, and
-        lane shares bound its unprefilled prompt tokens within two steps' budget (max_num_tokens,
-        where it says). A static engine refuses a request with more rows than it runs
-        (max_num_sequences) or than a request may carry (max_batch_size), so its rows in
-        flight are capped there; an in-flight engine merely queues what it cannot run yet.
+        it runs at once; an in-flight engine batches continuously with no batch limit, its
+        lanes' TTFT targets follow the engine's step cost where it states one (core/slo.py's
+        rule), and the later lanes' unprefilled prompt tokens stay within a budget from that
+        cost or two steps' max_num_tokens (`prefill_budget_tokens()`). A static engine
+        refuses a request with more rows than it runs (max_num_sequences) or than a request
+        may carry (max_batch_size), so its rows in flight are capped there; an in-flight
+        engine merely queues what it cannot run yet.
         On an in-flight engine the KV mirror reserves as the engine allocates
         (`kv.reserve_max_tokens` under guaranteed_no_evict; the median predicted output under
         max_utilization)."""

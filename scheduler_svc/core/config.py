@@ -273,10 +273,9 @@ class PolicyConfig:
     # batches there as the engine runs at once (its instances): each engine batch is then one
     # ratio-bounded bucket, and while the engine is busy the buckets fill.
     max_batches_in_flight: int | None = None
-    # Prompt tokens the sidecar keeps in an in-flight engine unprefilled (the shell sets two of
-    # its steps' max_num_tokens); None: no prefill shares. While a lane ahead has work waiting,
-    # a lane's prompt tokens dispatched and not yet prefilled (no first token) stay within its
-    # share of this budget, or one request.
+    # In-flight engines: the later lanes' prompt tokens dispatched and not yet prefilled (no
+    # first token) stay within this (a longer prompt goes alone); the first lane's are not
+    # counted. The shell derives it from the engine (`prefill_budget_tokens()`); None: no bound.
     prefill_budget_tokens: int | None = None
 
     def __post_init__(self) -> None:

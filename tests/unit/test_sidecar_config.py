@@ -11,6 +11,7 @@ from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.backends.triton import profile_from_config
 from scheduler_svc.config import load_config
 from scheduler_svc.errors import ConfigError
+from scheduler_svc.profiles import load_profile
 
 
 def test_defaults_yaml_and_overrides_merge(tmp_path: Path) -> None:
@@ -113,6 +114,29 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert not held.kv.reserve_max_tokens  # static batches: as before
     mine = load_config(None, {"policy": {"kv": {"reserve_max_tokens": False}}})
     assert not mine.policy_for_engine(mine.policy_config(), inflight).kv.reserve_max_tokens
+
+
+def test_an_engine_that_states_its_step_cost_sets_lane_targets_and_the_prefill_budget() -> None:
+    h200 = load_profile("h200-8b-bf16")
+    emulated = EngineProfile(
+        Batching.INFLIGHT, max_batch_size=256, max_num_tokens=8192, step_cost=h200, time_scale=4.0
+    )
+    cfg = load_config(None, {})
+    policy = cfg.policy_for_engine(cfg.policy_config(), emulated)
+    targets = {lane.name: lane.ttft_target_s for lane in policy.lanes}
+    # The one SLO rule on the profile's unloaded times, at the engine's time scale: hot sits
+    # on the 250 ms floor (5 x 4 x 9 ms is below it); warm and cold are 5 x their prefill.
+    assert targets["hot"] == 0.25
+    assert targets["warm"] == pytest.approx(5 * 4.0 * h200.prefill_s(512))
+    assert targets["cold"] == pytest.approx(5 * 4.0 * h200.prefill_s(2048))
+    # A quarter of hot's target in prompt tokens at 4 x 24.4 us each.
+    assert policy.prefill_budget_tokens == int(0.25 * 0.25 / (4.0 * h200.per_prompt_token_s))
+    pinned = load_config(None, {"policy": {"lanes": [{"name": "cold", "ttft_target_s": 9.0}]}})
+    mine = pinned.policy_for_engine(pinned.policy_config(), emulated)
+    assert [lane.ttft_target_s for lane in mine.lanes][2] == 9.0  # a pinned target stays
+    # A real engine does not say: the defaults stay.
+    real = cfg.policy_for_engine(cfg.policy_config(), EngineProfile(Batching.INFLIGHT, 64))
+    assert [lane.ttft_target_s for lane in real.lanes] == [0.25, 0.35, 1.5]
 
 
 def test_requests_in_flight_follow_the_engine_unless_pinned() -> None:
