@@ -17,9 +17,9 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import structlog
@@ -157,6 +157,7 @@ class GenerationService:
     ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.clock = loop.clock  # the core's clock: deadlines and timings on one time base
         self.vocab_size = tokenizer.get_vocab_size()
         outside = [t for t in cfg.model.stop_token_ids if not 0 <= t < self.vocab_size]
         if outside:
@@ -305,7 +306,7 @@ class GenerationService:
         return max_tokens
 
     def _refuse_by_quota(self, tenant: str, tokens: int) -> None:
-        refusal = self.quotas.take(tenant, tokens, time.monotonic())
+        refusal = self.quotas.take(tenant, tokens, self.clock())
         if refusal is None:
             return
         label = tenant if tenant in self._metric_tenants else "other"
@@ -321,7 +322,10 @@ class GenerationService:
         # id of its own.
         internal = uuid.uuid4().hex
         run = _Run(
-            request_id=params.request_id or internal, internal_id=internal, started=time.monotonic()
+            request_id=params.request_id or internal,
+            internal_id=internal,
+            started=self.clock(),
+            clock=self.clock,
         )
         max_tokens = self._check(params)
         tenant = auth.CURRENT.get().tenant_for(params.tenant)
@@ -412,7 +416,7 @@ class GenerationService:
                 if me is not None and me.cancelling() == 0:  # the decision, not this call
                     raise InternalError("the request was withdrawn from the queue") from None
                 raise
-            run.queued_at = time.monotonic()
+            run.queued_at = self.clock()
             run.lane = decision.lane
             if isinstance(decision, Expired):
                 raise self._expired(decision, run, queue_timeout)
@@ -436,7 +440,7 @@ class GenerationService:
             self.outcomes[run.outcome] += 1
             run.log_end(tenant)
             self.loop.metrics.observe_end(
-                run.lane, run.outcome, run.dispatched, run.ttft_s, time.monotonic() - run.started
+                run.lane, run.outcome, run.dispatched, run.ttft_s, self.clock() - run.started
             )
 
     async def _submit(
@@ -490,7 +494,7 @@ class GenerationService:
         asked = params.return_log_probs
         log_probs: list[float] = []
         async for tokens in ticket.channel.tokens(ends_at):
-            run.first_token_at = run.first_token_at or time.monotonic()
+            run.first_token_at = run.first_token_at or self.clock()
             delta = text.push(tokens.ids)
             run.completion_tokens = len(text.ids)
             probs = None
@@ -508,7 +512,7 @@ class GenerationService:
         tail = text.finish()
         if tail:
             yield Delta(tail, (), () if asked else None)
-        ended = time.monotonic()
+        ended = self.clock()
         run.outcome = "ok"
         yield Final(
             request_id=run.request_id,
@@ -539,6 +543,7 @@ class _Run:
     completion_tokens: int = 0
     outcome: str = "error"
     dispatched: bool = False
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     @property
     def ttft_s(self) -> float | None:
@@ -546,7 +551,7 @@ class _Run:
 
     @property
     def queue_ms(self) -> float:
-        return ((self.queued_at or time.monotonic()) - self.started) * 1000
+        return ((self.queued_at or self.clock()) - self.started) * 1000
 
     def who(self, tenant: str) -> dict[str, object]:
         """What every log line about this request names."""
@@ -558,7 +563,7 @@ class _Run:
         }
 
     def log_end(self, tenant: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         log.info(
             "request end",
             **self.who(tenant),

@@ -13,10 +13,10 @@ from dataclasses import replace
 from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput
 from scheduler_svc.core.config import PolicyConfig, default_lanes
 from scheduler_svc.core.policy import PolicyScheduler
-from scheduler_svc.core.types import Dispatch, Request, Target
+from scheduler_svc.core.types import Dispatch, Expired, ExpireReason, Request, Target
 from scheduler_svc.errors import BackendFailedError, BackendUnavailableError
 from scheduler_svc.loop import CoreLoop, Ticket
-from scheduler_svc.runner import RowRunner, StaticRunner
+from scheduler_svc.runner import BatchJob, RowRunner, StaticRunner
 from scheduler_svc.testing.backend import ScriptedBackend
 
 STATIC = EngineProfile(Batching.STATIC, max_batch_size=64)
@@ -275,3 +275,49 @@ def test_a_late_leave_never_touches_a_later_request_with_the_same_id() -> None:
         loop.leave(second)
 
     run(True, backend, body)
+
+
+class HeldRunner:
+    """A runner whose rows never end: what it was given stays running."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start(self, job: BatchJob) -> None:
+        self.started += [r.request_id for r in job.rows]
+
+    async def close(self) -> None:
+        return None
+
+
+def test_deadlines_come_from_the_injected_clock_without_sleeping() -> None:
+    """The loop feeds the core its own clock: on a fake clock an idle loop dispatches at once
+    (the fast path), and a hot request behind the engine's one busy sequence is answered at
+    hot's 250 ms target when the fake clock gets there, not before, with no real time passing."""
+
+    async def main() -> None:
+        now = [100.0]
+        scheduler = PolicyScheduler(
+            PolicyConfig(kv=replace(PolicyConfig().kv, max_in_flight=1), continuous_batching=True)
+        )
+        loop = CoreLoop(scheduler, clock=lambda: now[0])
+        held = HeldRunner()
+        loop.set_runners({Target.PRIMARY: held})
+        loop.start()
+        try:
+            long = await submit(loop, "long", 2000)
+            assert isinstance(await long.decision, Dispatch) and held.started == ["long"]
+            hot = await submit(loop, "hot", 20)
+            now[0] = 100.249
+            await loop.call(lambda s, t: None)  # a turn of the loop at the new time
+            assert not hot.decision.done()
+            now[0] = 100.25
+            await loop.call(lambda s, t: None)
+            decision = await hot.decision
+            assert isinstance(decision, Expired)
+            assert decision.reason is ExpireReason.MISSED_TARGET
+            assert held.started == ["long"]
+        finally:
+            await loop.close()
+
+    asyncio.run(main())
