@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core bench-agree bench-emulated bench-emulated-timing simulate simulate-kv sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -73,6 +73,11 @@ bench-quick: $(GEN)
 # QPS at the P99 SLO under KV pressure (issue 15): guaranteed_no_evict and max_utilization.
 bench-kv: $(GEN)
 	$(BIN)/scheduler-svc bench --plan kv
+
+# Issue 28's protocol: make run's sidecar against Triton alone below saturation, in overload and
+# at the P99 SLO (bisection to 2 % of capacity, >= 300 requests a trial), with the overhead (~50 min).
+bench-deadline: $(GEN)
+	$(BIN)/scheduler-svc bench --plan deadline
 
 # On a GPU-shaped engine (issue 27): the reference engine with emulated H200 step times.
 # The simulator against the live stack on the same profile (~15 min):
