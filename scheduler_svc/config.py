@@ -626,7 +626,8 @@ class SidecarConfig(_Frozen):
                 ((lane.name, lane.min_prompt_tokens) for lane in lanes),
                 lambda tokens: engine.prefill_s(tokens) or 0.0,
             )
-            pins = self._lane_pins()
+            given = self.policy.get("lanes")
+            pins = _named_lanes(given) if isinstance(given, list) else {}
             lanes = tuple(
                 lane
                 if "ttft_target_s" in pins.get(lane.name, {})
@@ -669,17 +670,6 @@ class SidecarConfig(_Frozen):
             )
         return dataclasses.replace(base, **changes) if changes else base
 
-    def _lane_pins(self) -> dict[str, Mapping[str, Any]]:
-        """The keys the policy section gives per lane name (a whole new lane set pins all)."""
-        lanes = self.policy.get("lanes")
-        if not isinstance(lanes, list):
-            return {}
-        return {
-            lane["name"]: lane
-            for lane in lanes
-            if isinstance(lane, Mapping) and isinstance(lane.get("name"), str)
-        }
-
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:
         """`base` with `changes` applied (the config file, UpdatePolicy, SIGHUP). A lane given
         by name changes only the keys it names. ValueError names the field."""
@@ -691,11 +681,7 @@ class SidecarConfig(_Frozen):
             if not isinstance(lanes, list):
                 raise ValueError("policy.lanes: must be a list of lanes")
             current = {lane["name"]: lane for lane in data["lanes"]}
-            named = {
-                lane["name"]: lane
-                for lane in lanes
-                if isinstance(lane, dict) and isinstance(lane.get("name"), str)
-            }
+            named = _named_lanes(lanes)
             if len(named) == len(lanes) and set(named) <= set(current):
                 # Only known lanes, by name: change the keys they give, keep the rest.
                 data["lanes"] = [{**lane, **named.get(name, {})} for name, lane in current.items()]
@@ -707,6 +693,16 @@ class SidecarConfig(_Frozen):
             return core_config.from_mapping(data)
         except ValueError as exc:
             raise ValueError(f"policy.{exc}") from None
+
+
+def _named_lanes(lanes: list[Any]) -> dict[str, Mapping[str, Any]]:
+    """A policy section's lanes by name (entries without a name are left out): the keys each
+    one gives."""
+    return {
+        lane["name"]: lane
+        for lane in lanes
+        if isinstance(lane, Mapping) and isinstance(lane.get("name"), str)
+    }
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,9 @@ service never talks to a backend: it reads its own row's tokens and turns them i
 `GenerationService.generate` yields `Delta`s as text becomes safe to show and one `Final` at the
 end, or raises a `RequestError`. Whatever happens, the request leaves the core loop exactly once
 and one log line records how it ended.
+
+Over 500 lines on purpose until the layout issue (30) splits the process by role: validation and
+tokenizing, the queue hand-off and detokenizing are one class today.
 """
 
 from __future__ import annotations

@@ -42,9 +42,10 @@ from scheduler_svc.bench.live import (
 from scheduler_svc.bench.report import fmt, pct, table_lines
 from scheduler_svc.bench.run import Progress, wait_idle
 from scheduler_svc.core.config import PolicyConfig, to_mapping
+from scheduler_svc.core.slo import percentile
 from scheduler_svc.modelrepo import copy_engine_variant
 from scheduler_svc.profiles import BUNDLED, CostProfile
-from scheduler_svc.sim.report import RateSearch, highest_rate, percentile
+from scheduler_svc.sim.report import RateSearch, highest_rate
 from scheduler_svc.triton.launcher import TritonServer
 
 EMULATED_ENGINE = ROOT / "model_repo" / "emulated" / "tensorrt_llm"

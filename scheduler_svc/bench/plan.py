@@ -13,8 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from scheduler_svc.core.slo import SLO_FLOOR_S, lane_slo_s, meets
-from scheduler_svc.sim.report import percentile
+from scheduler_svc.core.slo import SLO_FLOOR_S, lane_slo_s, meets, percentile
 from scheduler_svc.sim.workload import RequestClass, Scenario, SimRequest, generate
 
 TARGETS = ("triton", "fifo", "policy")

@@ -38,8 +38,8 @@ from scheduler_svc.bench.live import (
     stack,
     unloaded_ttft,
 )
-from scheduler_svc.core.slo import SLO_FACTOR, SLO_FLOOR_S
-from scheduler_svc.sim.report import RateSearch, percentile
+from scheduler_svc.core.slo import SLO_FACTOR, SLO_FLOOR_S, percentile
+from scheduler_svc.sim.report import RateSearch
 from scheduler_svc.sim.workload import SimRequest
 
 IDLE_WAIT_S = 60.0

@@ -60,6 +60,10 @@ Invariants (tests/unit/test_policy.py's state machine):
 - in-flight engines: no dispatch leaves a queued request that was due earlier and could have
   gone (rows, KV; for a later lane, the budget); the later lanes' unprefilled prompt tokens
   exceed the budget only by one prompt sent alone.
+
+Over 500 lines on purpose for now: one class holds the policy's state, and both paths (lane
+order for static engines, deadline order for in-flight ones) read and change the same queues,
+reservations and counters. The layout issue (30) is where the two dispatch paths move apart.
 """
 
 from __future__ import annotations
@@ -289,15 +293,20 @@ class PolicyScheduler:
         request due before it (start order `key`, by default an arrival now), at the whole
         engine's drain rate; otherwise its lane's queue, at the lane's rate."""
         if self.deadline_order:
-            if key is None:
-                key = self._order_key(lane, self._now, None)
             # The first lane passes later lanes held by the prefill budget: only its own count.
+            # For an arrival now that is all its lane holds (each arrived earlier, so is due no
+            # later): no scan on the paths that ask every turn (the breaker, stats, hints).
             first = lane == self.config.lanes[0].name
-            ahead = sum(
-                e.cost_tokens
-                for other, e in self._queued.values()
-                if e.deadline <= key and (other == lane or not first)
-            )
+            if first and key is None:
+                ahead = self._queued_tokens[lane]
+            else:
+                if key is None:
+                    key = self._order_key(lane, self._now, None)
+                ahead = sum(
+                    e.cost_tokens
+                    for other, e in self._queued.values()
+                    if e.deadline <= key and (other == lane or not first)
+                )
             rate = self.pooled_drain.rate()
         else:
             ahead = self._queued_tokens[lane]
@@ -490,7 +499,7 @@ class PolicyScheduler:
                 self._timer(now + timeout, _Timer(_TIMEOUT, lane, rid, entry.version))
                 self.counters["requeued"] += 1
                 return
-            if entry.requeues < self.lanes[lane].config.max_requeues:
+            if again:
                 promoted = entry.promoted
                 self._drop(lane, entry)
                 entry.requeues += 1
@@ -518,19 +527,18 @@ class PolicyScheduler:
         waits ahead of it; it is refused only where that lane is predicted to start it too
         late, or where there is no lower lane."""
         rid, lower = entry.request_id, self._lower(lane)
-        if self.deadline_order:
+        if lower is None or self.deadline_order:
             # In deadline order a hot request past its target is answered now, not served from
             # a lower lane seconds late (where it would also take room from work still in time).
+            reason, event = (
+                (ExpireReason.MISSED_TARGET, "expired_missed_target")
+                if self.deadline_order
+                else (ExpireReason.NO_FALLBACK, "expired_no_fallback")
+            )
             retry = self.predicted_wait(lane)
             self._drop(lane, entry)
-            out.append(Expired(rid, ExpireReason.MISSED_TARGET, lane, retry))
-            self.counters["expired_missed_target"] += 1
-            return
-        if lower is None:
-            retry = self.predicted_wait(lane)
-            self._drop(lane, entry)
-            out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane, retry))
-            self.counters["expired_no_fallback"] += 1
+            out.append(Expired(rid, reason, lane, retry))
+            self.counters[event] += 1
             return
         late = self._late(lower, entry.request.queue_deadline, now)
         if late is not None:

@@ -36,12 +36,13 @@ def lane_targets(
     return {name: lane_slo_s(prefill_s(typical_prompt(low))) for name, low in lanes}
 
 
-def p99(values: Sequence[float]) -> float | None:
-    """Nearest-rank 99th percentile; None for no values."""
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[max(1, math.ceil(0.99 * len(ordered))) - 1]
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
 
 
 def meets(
@@ -52,7 +53,7 @@ def meets(
     if requests <= 0:
         return False
     for lane, values in ttft_s.items():
-        worst = p99(values)
+        worst = percentile(values, 99)
         if worst is not None and worst > slo_s[lane]:
             return False
     return (requests - served) / requests <= MAX_REFUSED

@@ -10,21 +10,11 @@ lane's bound.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from scheduler_svc.core.slo import meets, p99
+from scheduler_svc.core.slo import meets, percentile
 from scheduler_svc.sim.runner import LANES, RunResult
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -111,7 +101,7 @@ def meets_slo(run: RunResult, tpot_bound_s: float | None = None) -> bool:
         return False
     if tpot_bound_s is None:
         return True
-    worst = p99([o.tpot_s for o in served if o.tpot_s is not None])
+    worst = percentile([o.tpot_s for o in served if o.tpot_s is not None], 99)
     return worst is None or worst <= tpot_bound_s
 
 

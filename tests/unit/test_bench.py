@@ -211,6 +211,35 @@ def test_make_runs_timers_run_beside_the_slo_scaled_policy_where_the_plan_says()
     assert scaled["policy"]["lanes"][0]["queue_timeout_s"] == 0.25
 
 
+def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
+    results = _results()
+    for r in results["runs"]:
+        r["target"] = {"policy": bp.DEFAULTS_TARGET}.get(r["target"], r["target"])
+    results["parameters"]["plan"] = "deadline"
+    results["slo_search"] = [
+        {
+            "engine": "inflight",
+            "mix": "chat",
+            "target": t,
+            "capacity_rps": 10.0,
+            "qps_at_slo": q,
+            "trials": [],
+        }
+        for t, q in (("triton", 4.0), (bp.DEFAULTS_TARGET, 5.0))
+    ]
+    lines = report.markdown(results).splitlines()
+    # Below saturation: each lane's P99 through make run's sidecar over Triton alone's.
+    assert "| chat | 0.5× | 1 | hot 500 → 50 ms (0.1×) | 0.1× | 0 (0) |" in lines
+    # QPS at the SLO, over Triton alone and as a share of the closed-loop capacity.
+    assert "| inflight | chat | 10/s | 2.5× | 4/s | 5/s | 1.25× | 0.5 |" in lines
+    # Overload: the hot tail over the unloaded median (20 ms), goodput over Triton alone's.
+    overload = [line for line in lines if line.startswith("| chat 1.2× |")]
+    assert overload[0].startswith("| chat 1.2× | Triton alone | 500 ms | 25× |")
+    assert overload[1].startswith(
+        "| chat 1.2× | sidecar policy, make run's timers | 50 ms | 2.5× |"
+    )
+
+
 def test_write_leaves_json_markdown_and_plots(tmp_path: Path) -> None:
     results = _results()
     report.write(results, tmp_path)

@@ -12,9 +12,10 @@ import pytest
 
 from scheduler_svc.core.config import KvMode
 from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.slo import percentile
 from scheduler_svc.profiles import load_profile
 from scheduler_svc.sim.engine import InflightEngine, Sequence
-from scheduler_svc.sim.report import highest_rate, kv_table, meets_slo, percentile, summarize
+from scheduler_svc.sim.report import highest_rate, kv_table, meets_slo, summarize
 from scheduler_svc.sim.runner import learn_outputs, make_scheduler, simulate, with_duration
 from scheduler_svc.sim.suite import GOLDEN, run_suite
 from scheduler_svc.sim.workload import SCENARIOS, generate
