@@ -63,6 +63,9 @@ MAX_TENANT_CHARS = auth.MAX_TENANT_CHARS
 # Prompts are tokenized on these threads (the tokenizer lets go of the GIL there), so a long
 # prompt never holds up the event loop; a burst of them queues here, not in everyone's way.
 TOKENIZER_THREADS = 2
+# A prompt this short is tokenized on the event loop (~25 µs per 100 characters here): less
+# than the hop to a tokenizer thread and back.
+INLINE_PROMPT_CHARS = 256
 
 
 def make_quotas(cfg: QuotaConfig) -> TenantQuotas:
@@ -217,6 +220,8 @@ class GenerationService:
                 raise BadRequestError(
                     f"token_ids: {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
                 )
+        elif len(params.prompt or "") <= INLINE_PROMPT_CHARS:
+            ids = self._encode(params.prompt or "")
         else:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._tokenize, self._encode, params.prompt or "")
@@ -441,10 +446,13 @@ class GenerationService:
         finally:
             self.loop.leave(ticket)
             self.outcomes[run.outcome] += 1
-            run.log_end(tenant)
+            ended = self.clock()
             self.loop.metrics.observe_end(
-                run.lane, run.outcome, run.dispatched, run.ttft_s, self.clock() - run.started
+                run.lane, run.outcome, run.dispatched, run.ttft_s, ended - run.started
             )
+            # The log line is written once the answer is on its way (a unary answer is sent
+            # when the front returns, after this runs): ~0.2 ms off every request's latency.
+            asyncio.get_running_loop().call_soon(run.log_end, tenant, ended)
 
     async def _submit(
         self, run: _Run, tenant: str, request: Request, row: GenerationInput, deadline: float
@@ -565,17 +573,17 @@ class _Run:
             "prompt_tokens": self.prompt_tokens,
         }
 
-    def log_end(self, tenant: str) -> None:
-        now = self.clock()
+    def log_end(self, tenant: str, ended: float) -> None:
+        """The request's one `request end` line (`ended`: when it ended, on the clock)."""
         log.info(
             "request end",
             **self.who(tenant),
             lane=self.lane,
             outcome=self.outcome,
             completion_tokens=self.completion_tokens,
-            queue_ms=round(self.queue_ms, 2),
+            queue_ms=round(((self.queued_at or ended) - self.started) * 1000, 2),
             ttft_ms=round((self.first_token_at - self.started) * 1000, 2)
             if self.first_token_at
             else None,
-            total_ms=round((now - self.started) * 1000, 2),
+            total_ms=round((ended - self.started) * 1000, 2),
         )

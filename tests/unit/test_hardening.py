@@ -38,7 +38,7 @@ from scheduler_svc.runner import runner_for
 from scheduler_svc.server.app import make_scheduler
 from scheduler_svc.server.controls import parse_policy_json
 from scheduler_svc.server.guard import role_for
-from scheduler_svc.service import GenerationParams, GenerationService
+from scheduler_svc.service import INLINE_PROMPT_CHARS, GenerationParams, GenerationService
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -105,16 +105,19 @@ def spy(service: GenerationService, seen: list[str]) -> None:
     service._encode = recorded  # type: ignore[method-assign]
 
 
-def test_prompts_are_tokenized_off_the_event_loop() -> None:
+def test_long_prompts_are_tokenized_off_the_event_loop_short_ones_on_it() -> None:
     threads: list[str] = []
+    long_prompt = "hello there " * (INLINE_PROMPT_CHARS // 12 + 1)
 
     async def body(service: GenerationService, loop: CoreLoop) -> None:
         spy(service, threads)
-        await collect(service, GenerationParams("r", prompt="hello there", max_tokens=2))
+        await collect(service, GenerationParams("r", prompt=long_prompt, max_tokens=2))
+        await collect(service, GenerationParams("s", prompt="hello there", max_tokens=2))
 
     serve(ScriptedBackend(), body)
-    assert threads and all(name.startswith("tokenize") for name in threads)
-    assert threading.main_thread().name not in threads
+    assert len(threads) == 2
+    assert threads[0].startswith("tokenize")  # longer than INLINE_PROMPT_CHARS: on a thread
+    assert threads[1] == threading.main_thread().name  # short: the hop would cost more
 
 
 # -- the tenant comes from the credential ---------------------------------------------------
