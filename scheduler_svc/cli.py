@@ -112,15 +112,17 @@ async def _serve_until_signal(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     reloads: set[asyncio.Task[None]] = set()
-    if config_path is not None:
 
-        def reload() -> None:
-            sidecar.reload_security()
+    def reload() -> None:
+        """SIGHUP: credentials and TLS files always (they are named by flags too); the policy
+        only from a config file."""
+        sidecar.reload_security()
+        if config_path is not None:
             task = loop.create_task(sidecar.controls.reload(config_path, overrides or {}))
             reloads.add(task)  # keep a reference until it is done
             task.add_done_callback(reloads.discard)
 
-        loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     port = await sidecar.start()
     if on_ready:
         metrics_port = sidecar.metrics.port if sidecar.metrics is not None else "-"

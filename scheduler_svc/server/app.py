@@ -130,7 +130,8 @@ class Sidecar:
         self.chat = ChatTemplate.load(cfg.model.chat_template, cfg.model.tokenizer_dir)
         self.http: HttpFront | None = None
         self.http_port: int | None = None
-        self._http_tls: ssl.SSLContext | None = None
+        self._http_tls: ssl.SSLContext | None = None  # the listener's; hands each handshake on
+        self._http_tls_now: ssl.SSLContext | None = None  # ... to this one (swapped on SIGHUP)
         self._serving: bool | None = None
         self.port = 0
         self.admin_port: int | None = None
@@ -173,12 +174,12 @@ class Sidecar:
             raise ConfigError(f"server.tls: cannot read {exc.filename}: {exc.strerror}") from None
         return grpc.ssl_server_certificate_configuration([(key, chain)], roots)
 
-    def _ssl_context(self, context: ssl.SSLContext | None = None) -> ssl.SSLContext:
-        """The HTTP listener's TLS context (the same files as the gRPC listeners'); given a
-        running one, its certificate is loaded again in place (new handshakes use it)."""
+    def _ssl_context(self) -> ssl.SSLContext:
+        """A TLS context for the HTTP listener from the configured files (the same as the gRPC
+        listeners')."""
         tls = self.cfg.server.tls
         assert tls is not None
-        fresh = context or ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        fresh = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             fresh.load_cert_chain(tls.cert_file, tls.key_file)
             if tls.client_ca_file:
@@ -189,6 +190,13 @@ class Sidecar:
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"server.tls: cannot load the certificate files: {exc}") from None
         return fresh
+
+    def _current_context(
+        self, connection: ssl.SSLObject | ssl.SSLSocket, name: str | None, _: ssl.SSLContext
+    ) -> None:
+        """Every HTTPS handshake (with or without SNI) continues on the context loaded last."""
+        if self._http_tls_now is not None:
+            connection.context = self._http_tls_now
 
     def _server_for(self, guard: Guard) -> grpc.aio.Server:
         server_cfg = self.cfg.server
@@ -280,6 +288,8 @@ class Sidecar:
             self.http = HttpFront(self.service, lambda: self._client_identity, self.chat)
             if server_cfg.tls is not None:
                 self._http_tls = self._ssl_context()
+                self._http_tls_now = self._http_tls
+                self._http_tls.sni_callback = self._current_context
             self.http_port = await self.http.start(
                 server_cfg.host, server_cfg.http_port, self._http_tls
             )
@@ -313,17 +323,21 @@ class Sidecar:
 
     def reload_security(self) -> None:
         """SIGHUP: read the credentials file and the TLS files again; a file that fails to
-        load leaves what runs as it is."""
+        load leaves everything that runs as it is."""
+        # Everything is loaded aside first and swapped only when all of it loaded: a bad key
+        # file keeps the old credentials too, never half of the new ones.
         try:
-            self._client_identity, self._admin_identity = self._identities()
-            if self.cfg.server.tls is not None:
-                fresh = self._tls_configuration()
-                if self._http_tls is not None:
-                    self._ssl_context(self._http_tls)
-                self._tls_fresh = {"client": fresh, "admin": fresh}
+            identities = self._identities()
+            fresh = self._tls_configuration() if self.cfg.server.tls is not None else None
+            http_tls = self._ssl_context() if self._http_tls is not None else None
         except ConfigError as exc:
             log.error("credentials / TLS reload refused; the running ones stay", error=str(exc))
             return
+        self._client_identity, self._admin_identity = identities
+        if fresh is not None:
+            self._tls_fresh = {"client": fresh, "admin": fresh}
+        if http_tls is not None:
+            self._http_tls_now = http_tls
         log.info(
             "credentials and TLS reloaded",
             credentials=self._client_identity.credentials.size

@@ -11,6 +11,7 @@ one response per chunk of new tokens, else one per row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,8 @@ from scheduler_svc.server.contract import (
     typed_contents,
 )
 from scheduler_svc.service import Delta, Final, GenerationParams
+
+MAX_DIMS = 4  # the contract's tensors have at most three ([rows, 2, n] word lists)
 
 
 @dataclass(frozen=True)
@@ -77,22 +80,40 @@ def _array(request: kv.ModelInferRequest, index: int) -> npt.NDArray[np.generic]
             f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected {spec.datatype}"
         )
     shape = list(tensor.shape)
-    dtype = NUMPY_DTYPES[spec.datatype]
+    # Checked before numpy sees it: a negative or huge dimension (whose product overflows
+    # numpy's 64 bits) must be the client's error, never a failed reshape.
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise BadRequestError(
+            f"input '{tensor.name}': shape {shape[: MAX_DIMS + 1]} needs at most {MAX_DIMS} "
+            "dimensions, none negative"
+        )
+    dtype = np.dtype(NUMPY_DTYPES[spec.datatype])
     if index < len(request.raw_input_contents):
-        flat = np.frombuffer(request.raw_input_contents[index], dtype=dtype)
+        raw = request.raw_input_contents[index]
+        if len(raw) % dtype.itemsize:
+            raise BadRequestError(
+                f"input '{tensor.name}': {len(raw)} raw bytes are not whole {spec.datatype} values"
+            )
+        flat = np.frombuffer(raw, dtype=dtype)
     else:
         flat = np.asarray(typed_contents(tensor, spec.datatype), dtype=dtype)
-    if int(np.prod(shape)) != flat.size:
-        raise BadRequestError(f"input '{tensor.name}': {flat.size} values do not fill {shape}")
+    if math.prod(shape) != flat.size:
+        raise BadRequestError(
+            f"input '{tensor.name}': {flat.size} values do not fill {shape[: MAX_DIMS + 1]}"
+        )
     return flat.reshape(shape)
 
 
-def _words(array: npt.NDArray[np.generic], row: int, name: str) -> tuple[tuple[int, ...], ...]:
+def _words(
+    array: npt.NDArray[np.generic], row: int, rows: int, name: str
+) -> tuple[tuple[int, ...], ...]:
     """One row of TensorRT-LLM's word-list layout: ids end to end, then end offsets (-1 pad)."""
     if array.ndim == 2:
         array = array.reshape(1, *array.shape)
     if array.ndim != 3 or array.shape[1] != 2:
         raise BadRequestError(f"{name}: expected shape [rows, 2, n], got {list(array.shape)}")
+    if array.shape[0] not in (1, rows):
+        raise BadRequestError(f"{name}: {array.shape[0]} rows of words for {rows} rows")
     ids, offsets = array[row if array.shape[0] > 1 else 0].astype(np.int64)
     words, start = [], 0
     for end in (int(o) for o in offsets if o >= 0):
@@ -183,10 +204,10 @@ def parse_engine_request(
                 seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
                 end_id=None if end_id is None else int(end_id),  # type: ignore[call-overload]
                 pad_id=None if pad_id is None else int(pad_id),  # type: ignore[call-overload]
-                stop_word_ids=_words(arrays["stop_words_list"], r, "stop_words_list")
+                stop_word_ids=_words(arrays["stop_words_list"], r, rows, "stop_words_list")
                 if "stop_words_list" in arrays
                 else (),
-                bad_word_ids=_words(arrays["bad_words_list"], r, "bad_words_list")
+                bad_word_ids=_words(arrays["bad_words_list"], r, rows, "bad_words_list")
                 if "bad_words_list" in arrays
                 else (),
                 min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]

@@ -20,8 +20,14 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 
 class SidecarProcess:
     def __init__(
-        self, triton_url: str, workdir: Path, config: dict[str, Any] | None = None
+        self,
+        triton_url: str,
+        workdir: Path,
+        config: dict[str, Any] | None = None,
+        config_file: bool = True,  # False: started without --config (flags only)
     ) -> None:
+        assert config_file or not config
+        self.config_file = config_file
         self.triton_url = triton_url
         self.config_path = workdir / "sidecar.yaml"
         self.config_path.write_text(yaml.safe_dump(config or {}))
@@ -51,8 +57,7 @@ class SidecarProcess:
                 "0",
                 "--host",
                 "127.0.0.1",
-                "--config",
-                str(self.config_path),
+                *(["--config", str(self.config_path)] if self.config_file else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2 as httpx
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as kv
@@ -172,6 +174,66 @@ def test_mtls_identities_and_certificates_reloaded_on_sighup(
         sidecar.wait_for_events("credentials and TLS reloaded", lambda e: len(e) >= 1)
         stats = admin_over(ca_two.pair.cert, ops_two).GetStats(pb.GetStatsRequest(), timeout=10)
         assert stats.scheduler == "policy"
+    finally:
+        sidecar.stop()
+
+
+def test_sighup_without_a_config_file_reloads_and_keeps_serving(
+    triton: TritonServer, tmp_path: Path
+) -> None:
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path, config_file=False).start()
+    try:
+        sidecar.signal(signal.SIGHUP)  # it used to kill a sidecar started with flags only
+        sidecar.wait_for_events("credentials and TLS reloaded", lambda e: len(e) >= 1)
+        answer = sidecar.scheduler().Generate(pb.GenerateRequest(prompt="hi", max_tokens=2))
+        assert answer.usage.completion_tokens == 2
+    finally:
+        sidecar.stop()
+
+
+def test_a_tls_reload_that_fails_keeps_the_old_certificate_and_credentials(
+    triton: TritonServer, tmp_path: Path
+) -> None:
+    ca = Authority(tmp_path, "ca-one")
+    server = ca.issue("sidecar", ["localhost"])
+    creds = tmp_path / "credentials.yaml"
+    entry = "  - {{name: {0}, token: {1}, tenant: {0}, roles: [client]}}\n"
+    creds.write_text("tokens:\n" + entry.format("one", CLIENT_TOKEN))
+    tls = {"cert_file": str(server.cert), "key_file": str(server.key)}
+    config = {"server": {"tls": tls}, "auth": {"credentials_file": str(creds)}}
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path, config).start()
+    second = "second-client-token-0123456789"
+
+    def models(roots: Path, token: str) -> int:
+        url = f"https://localhost:{sidecar.http_port}/v1/models"
+        verify = ssl.create_default_context(cafile=str(roots))
+        headers = {"authorization": f"Bearer {token}"}
+        return httpx.get(url, headers=headers, verify=verify, timeout=10).status_code
+
+    try:
+        assert models(ca.pair.cert, CLIENT_TOKEN) == 200
+        # A second credential and a key file that does not load, in one reload: refused whole.
+        creds.write_text(creds.read_text() + entry.format("two", second))
+        good_key = server.key.read_bytes()
+        server.key.write_bytes(b"not a key")
+        sidecar.signal(signal.SIGHUP)
+        sidecar.wait_for_events(
+            "credentials / TLS reload refused; the running ones stay", lambda e: len(e) >= 1
+        )
+        assert models(ca.pair.cert, CLIENT_TOKEN) == 200  # HTTPS still serves the old certificate
+        assert models(ca.pair.cert, second) == 401  # and the old credentials
+        # New files that load: both are taken, HTTPS presents the new certificate.
+        (tmp_path / "two").mkdir()
+        ca_two = Authority(tmp_path / "two", "ca-two")
+        fresh = ca_two.issue("sidecar-two", ["localhost"])
+        server.cert.write_bytes(fresh.cert.read_bytes())
+        server.key.write_bytes(fresh.key.read_bytes())
+        assert good_key != fresh.key.read_bytes()
+        sidecar.signal(signal.SIGHUP)
+        sidecar.wait_for_events("credentials and TLS reloaded", lambda e: len(e) >= 1)
+        assert models(ca_two.pair.cert, second) == 200
+        with pytest.raises(httpx.ConnectError):
+            models(ca.pair.cert, second)  # the old certificate is gone from new handshakes
     finally:
         sidecar.stop()
 

@@ -13,6 +13,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tritonclient.grpc import service_pb2 as kv
+from tritonclient.grpc import service_pb2_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.tokenizer import load_tokenizer
@@ -293,6 +295,18 @@ def test_invalid_utf8_and_bad_kserve_tensors_are_invalid_argument(sidecar: Sidec
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"  # type: ignore[attr-defined]
     with pytest.raises(Exception, match="not served here"):
         client.infer("llama", make_inputs(text_request("hi", 3)))
+    # Shapes numpy cannot take, on the engine contract: INVALID_ARGUMENT, not INTERNAL.
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(sidecar.channel())
+    for shape, needle in (([-2, -3], "none negative"), ([2**32, 2**32], "do not fill")):
+        message = kv.ModelInferRequest(model_name=ENGINE, id="shape")
+        for name in ("input_ids", "input_lengths", "request_output_len"):
+            tensor = message.inputs.add()
+            tensor.name, tensor.datatype = name, "INT32"
+            tensor.shape.extend(shape if name == "input_ids" else [1, 1])
+            count = (6 if shape[0] < 0 else 0) if name == "input_ids" else 1
+            message.raw_input_contents.append(np.ones(count, dtype="<i4").tobytes())
+        code, details = _code_and_details(lambda m=message: stub.ModelInfer(m))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
 
 
 def test_health_reflection_and_stats(sidecar: SidecarProcess) -> None:

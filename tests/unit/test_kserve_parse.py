@@ -5,11 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as kv
 
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError, UnknownModelError
+from scheduler_svc.server.contract import MAX_ROWS
 from scheduler_svc.server.kserve import parse_infer_request
+from scheduler_svc.server.kserve_engine import ENGINE_INPUTS, parse_engine_request
 
 
 def stock_request(**tensors: tuple[str, np.ndarray]) -> kv.ModelInferRequest:
@@ -148,3 +152,68 @@ def test_a_batched_request_is_one_set_of_parameters_per_row() -> None:
     assert [r.temperature for r in rows] == [0.5] * 3
     assert [r.stop_words for r in rows] == [("a",), ("b", "c"), ()]
     assert {r.request_id for r in rows} == {"r1"}  # the client's id is a label of each
+
+
+# -- the engine contract, fuzzed -------------------------------------------------------------
+
+_ENGINE_NAMES = sorted(ENGINE_INPUTS)
+_DATATYPES = ("INT32", "FP32", "BOOL", "UINT64", "BYTES")
+
+
+@st.composite
+def _engine_tensors(draw: st.DrawFn) -> kv.ModelInferRequest:
+    """A request on the engine contract: the right names (and a stranger now and then), data
+    types mostly right, any shape (negative and huge dimensions included), raw bytes of any
+    length or typed contents."""
+    request = kv.ModelInferRequest(model_name="tensorrt_llm", id="fuzz")
+    names = draw(st.lists(st.sampled_from(_ENGINE_NAMES), min_size=0, max_size=6))
+    for name in ["input_ids", "input_lengths", "request_output_len", *names]:
+        tensor = request.inputs.add()
+        tensor.name = name
+        right = ENGINE_INPUTS[name].datatype
+        tensor.datatype = draw(st.sampled_from((right, right, right, *_DATATYPES)))
+        dims = st.one_of(st.integers(-3, 8), st.sampled_from((2**32, 2**62, 2**63 - 1)))
+        tensor.shape.extend(draw(st.lists(dims, min_size=0, max_size=6)))
+        request.raw_input_contents.append(draw(st.binary(max_size=48)))
+    return request
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_engine_tensors())
+def test_any_engine_contract_request_parses_or_is_invalid_argument(
+    request: kv.ModelInferRequest,
+) -> None:
+    """Whatever shapes and bytes a client sends, the answer is parameters or BadRequestError
+    naming the problem; never another exception (it would reach the client as INTERNAL)."""
+    try:
+        rows, _ = parse_engine_request(request, None)
+    except BadRequestError as exc:
+        assert str(exc)
+        return
+    assert 1 <= len(rows) <= MAX_ROWS
+
+
+@pytest.mark.parametrize(
+    ("shape", "raw", "needle"),
+    [
+        ([-2, -3], np.arange(6, dtype="<i4").tobytes(), "none negative"),
+        ([2**32, 2**32], b"", "values do not fill"),
+        ([1, 1, 1, 1, 1, 1], np.arange(1, dtype="<i4").tobytes(), "at most 4 dimensions"),
+        ([1, 2], b"\x01\x02\x03", "not whole INT32 values"),
+    ],
+)
+def test_engine_contract_shapes_are_checked_before_use(
+    shape: list[int], raw: bytes, needle: str
+) -> None:
+    request = kv.ModelInferRequest(model_name="tensorrt_llm", id="shape")
+    for name, values in (
+        ("input_ids", raw),
+        ("input_lengths", np.asarray([[1]], dtype="<i4").tobytes()),
+        ("request_output_len", np.asarray([[4]], dtype="<i4").tobytes()),
+    ):
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = name, "INT32"
+        tensor.shape.extend(shape if name == "input_ids" else [1, 1])
+        request.raw_input_contents.append(values)
+    with pytest.raises(BadRequestError, match=needle):
+        parse_engine_request(request, None)
