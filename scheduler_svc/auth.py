@@ -7,7 +7,7 @@ named by `auth.credentials_file`, reloaded on SIGHUP):
     tokens:
       - name: team-a                 # shown in logs
         token_sha256: 9f86d0...      # or `token: <the secret>` (a file mounted from a Secret)
-        tenant: team-a
+        tenant: team-a               # left out: the name; '' (explicit): any tenant
         roles: [client]
     identities:                      # mTLS: a client certificate's common name or a SAN
       - name: ops
@@ -58,7 +58,13 @@ class Principal:
         )
 
 
+# A caller without a credential where no credentials exist: the tenant is whatever the request
+# names (a label a trusted gateway sets; there is no identity it could take over).
 ANONYMOUS_CLIENT = Principal("anonymous", "", frozenset({CLIENT}))
+# ... and where credentials exist (`auth.anonymous: client` beside a credentials file): a tenant
+# of its own, `anonymous`, which it may narrow; it can never act as a credential's tenant.
+ANONYMOUS_TENANT = "anonymous"
+ANONYMOUS_BESIDE_CREDENTIALS = Principal("anonymous", ANONYMOUS_TENANT, frozenset({CLIENT}))
 LOCAL_ADMIN = Principal("local-admin", "", frozenset({CLIENT, ADMIN}))
 NOBODY = Principal("anonymous", "", frozenset())
 
@@ -155,9 +161,12 @@ def _principal(entry: dict[str, Any], where: str) -> Principal:
     unknown = sorted(set(entry) - known)
     if unknown:
         raise ConfigError(f"credentials {where}: unknown keys {unknown}")
-    name, tenant, roles = entry.get("name"), entry.get("tenant", ""), entry.get("roles")
+    name, tenant, roles = entry.get("name"), entry.get("tenant"), entry.get("roles")
     if not isinstance(name, str) or not 1 <= len(name) <= 64:
         raise ConfigError(f"credentials {where}.name: 1..64 characters")
+    # A credential without a tenant runs as a tenant of its own name: a forgotten key must not
+    # let it act as any tenant. Only an explicit `tenant: ''` does (a trusted gateway's).
+    tenant = name if tenant is None else tenant
     if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
         raise ConfigError(f"credentials {where}.tenant: at most {MAX_TENANT_CHARS} characters")
     if not isinstance(roles, list) or not roles or not set(roles) <= ROLES:

@@ -112,7 +112,8 @@ class LaneQueue:
 
     def add(self, entry: Entry, now: float) -> Bucket:
         """Queue an entry: tag it for tenant fairness, put it in a bucket. Returns the bucket."""
-        tenant = entry.request.tenant
+        # Fair between root tenants: sub-tenants (`team-a/...`) share their root's tag.
+        tenant = entry.request.tenant.partition("/")[0]
         start = max(self.virtual_time, self._tenant_finish.get(tenant, 0.0))
         entry.tag = start
         self._tenant_finish[tenant] = start + entry.cost_tokens

@@ -4,6 +4,12 @@
 the end). A refusal says which limit and when a retry could pass. State is kept for at most
 `max_tenants` tenants: the least recently seen idle tenant is forgotten first (a forgotten
 tenant comes back with a full bucket, which only ever errs towards admitting).
+
+Tenants nest by `/`: `team-a/nightly` narrows `team-a`. A request is charged to its root
+tenant (with the root's limits: its own, else the default) and to every narrower level that
+has limits of its own; a narrowed tenant without them shares its parent's. So the parent's
+limits bound the sum of its sub-tenants, and naming a fresh sub-tenant never buys a fresh
+bucket.
 """
 
 from __future__ import annotations
@@ -53,10 +59,35 @@ class TenantQuotas:
     def limits(self, tenant: str) -> Limits:
         return self.tenants.get(tenant, self.default)
 
+    def levels(self, tenant: str) -> list[str]:
+        """The tenants a request of `tenant` is charged to, widest first: its root, then each
+        narrower level with limits of its own."""
+        parts = tenant.split("/")
+        narrower = ("/".join(parts[: i + 1]) for i in range(1, len(parts)))
+        return [parts[0], *(level for level in narrower if level in self.tenants)]
+
     def take(self, tenant: str, tokens: int, now: float) -> Refusal | None:
         """Admit one request of `tokens` for `tenant`, or say why not (nothing is taken)."""
-        limits = self.limits(tenant)
-        state = self._touch(tenant, limits, now)
+        charged = [(level, self.limits(level)) for level in self.levels(tenant)]
+        states = [self._touch(level, limits, now) for level, limits in charged]
+        try:
+            for (level, limits), state in zip(charged, states, strict=True):
+                refusal = self._refusal(limits, state, tokens)
+                if refusal is not None:
+                    if level != tenant:
+                        message = f"counted against tenant {level}: {refusal.message}"
+                        refusal = Refusal(refusal.quota, message, refusal.retry_after_s)
+                    return refusal
+            for (_, limits), state in zip(charged, states, strict=True):
+                if limits.tokens_per_s is not None:
+                    state.tokens -= tokens
+                state.active += 1
+            return None
+        finally:
+            self._forget_idle()  # after charging: a level just charged is not idle
+
+    @staticmethod
+    def _refusal(limits: Limits, state: _State, tokens: int) -> Refusal | None:
         if limits.max_concurrent is not None and state.active >= limits.max_concurrent:
             return Refusal(
                 "concurrent",
@@ -64,36 +95,35 @@ class TenantQuotas:
                 f"{limits.max_concurrent}",
                 0.1,
             )
-        if limits.tokens_per_s is not None:
-            if tokens > limits.bucket:
-                return Refusal(
-                    "tokens",
-                    f"the request costs {tokens} tokens, more than this tenant's bucket of "
-                    f"{limits.bucket:.0f} can ever hold",
-                    60.0,
-                )
-            if tokens > state.tokens:
-                wait = (tokens - state.tokens) / limits.tokens_per_s
-                return Refusal(
-                    "tokens",
-                    f"the tenant's token rate ({limits.tokens_per_s:g} tokens/s) is used up",
-                    round(wait, 3),
-                )
-            state.tokens -= tokens
-        state.active += 1
+        if limits.tokens_per_s is None:
+            return None
+        if tokens > limits.bucket:
+            return Refusal(
+                "tokens",
+                f"the request costs {tokens} tokens, more than this tenant's bucket of "
+                f"{limits.bucket:.0f} can ever hold",
+                60.0,
+            )
+        if tokens > state.tokens:
+            wait = (tokens - state.tokens) / limits.tokens_per_s
+            return Refusal(
+                "tokens",
+                f"the tenant's token rate ({limits.tokens_per_s:g} tokens/s) is used up",
+                round(wait, 3),
+            )
         return None
 
     def give_back(self, tenant: str) -> None:
-        state = self._state.get(tenant)
-        if state is not None and state.active > 0:
-            state.active -= 1
+        for level in self.levels(tenant):
+            state = self._state.get(level)
+            if state is not None and state.active > 0:
+                state.active -= 1
 
     def _touch(self, tenant: str, limits: Limits, now: float) -> _State:
         state = self._state.get(tenant)
         if state is None:
             state = _State(0, limits.bucket, now)
             self._state[tenant] = state
-            self._forget_idle()
         else:
             self._state.move_to_end(tenant)
             if limits.tokens_per_s is not None:

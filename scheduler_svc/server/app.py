@@ -23,7 +23,13 @@ from tritonclient.grpc import service_pb2_grpc as kv_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.auth import ANONYMOUS_CLIENT, LOCAL_ADMIN, NOBODY, Credentials
+from scheduler_svc.auth import (
+    ANONYMOUS_BESIDE_CREDENTIALS,
+    ANONYMOUS_CLIENT,
+    LOCAL_ADMIN,
+    NOBODY,
+    Credentials,
+)
 from scheduler_svc.backends.base import Backend, EngineProfile
 from scheduler_svc.backends.groups import GroupedBackend, RolloutView, RolloutWatch
 from scheduler_svc.backends.kvpoll import poll_kv
@@ -158,7 +164,13 @@ class Sidecar:
         anonymous = auth_cfg.anonymous
         if anonymous == "auto":
             anonymous = "client" if credentials is None else "none"
-        client = Identity(credentials, ANONYMOUS_CLIENT if anonymous == "client" else NOBODY)
+        if anonymous != "client":
+            nobody = NOBODY
+        elif credentials is None:
+            nobody = ANONYMOUS_CLIENT
+        else:  # beside credentials: a tenant of its own, never one of theirs
+            nobody = ANONYMOUS_BESIDE_CREDENTIALS
+        client = Identity(credentials, nobody)
         local = auth_cfg.local_admin and is_loopback(self.cfg.server.admin_host)
         admin = Identity(credentials, LOCAL_ADMIN if local else NOBODY)
         return client, admin

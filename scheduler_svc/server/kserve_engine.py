@@ -35,6 +35,7 @@ from scheduler_svc.server.contract import (
 from scheduler_svc.service import Delta, Final, GenerationParams
 
 MAX_DIMS = 4  # the contract's tensors have at most three ([rows, 2, n] word lists)
+MAX_ELEMENTS = 2**32  # far above any message the server accepts
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ def _array(request: kv.ModelInferRequest, index: int) -> npt.NDArray[np.generic]
             f"input '{tensor.name}': shape {shape[: MAX_DIMS + 1]} needs at most {MAX_DIMS} "
             "dimensions, none negative"
         )
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses even an empty one
+        raise BadRequestError(f"input '{tensor.name}': shape {shape} is too large")
     dtype = np.dtype(NUMPY_DTYPES[spec.datatype])
     if index < len(request.raw_input_contents):
         raw = request.raw_input_contents[index]

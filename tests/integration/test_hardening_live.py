@@ -122,6 +122,49 @@ def test_credentials_decide_the_tenant_and_the_role_on_every_front(
     assert not any(CLIENT_TOKEN in line or ADMIN_TOKEN in line for line in guarded.lines)
 
 
+def test_narrowed_tenants_share_their_parents_quota_and_anonymous_cannot_take_one(
+    triton: TritonServer, tmp_path: Path
+) -> None:
+    creds = tmp_path / "credentials.yaml"
+    creds.write_text(f"tokens:\n  - {{name: team-a, token: {CLIENT_TOKEN}, roles: [client]}}\n")
+    config = {
+        "auth": {"credentials_file": str(creds), "anonymous": "client"},
+        "quotas": {"tenants": {"team-a": {"max_concurrent": 1}}},
+    }
+    sidecar = SidecarProcess(triton.grpc_url, tmp_path, config).start()
+    stub = sidecar.scheduler()
+    try:
+        # team-a (the credential's name: it has no tenant key) holds its one place ...
+        held = stub.GenerateStream(
+            pb.GenerateRequest(prompt=STORY, max_tokens=400, tenant="team-a/one"),
+            metadata=bearer(CLIENT_TOKEN),
+        )
+        next(iter(held))
+        # ... so a fresh sub-tenant is refused: it used to get a quota of its own.
+        code, details = code_of(
+            lambda: stub.Generate(
+                pb.GenerateRequest(prompt="hi", max_tokens=2, tenant="team-a/two"),
+                metadata=bearer(CLIENT_TOKEN),
+            )
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "counted against tenant team-a" in details
+        # Anonymous callers beside credentials run as `anonymous`, never as team-a.
+        code, details = code_of(
+            lambda: stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, tenant="team-a"))
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "anonymous" in details
+        answer = stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2))
+        assert answer.usage.completion_tokens == 2
+        held.cancel()
+        sidecar.wait_for_events(
+            "request end", lambda ends: any(e["tenant"] == "anonymous" for e in ends)
+        )
+        assert "team-a" not in {e["tenant"] for e in sidecar.events("request end")}
+    finally:
+        sidecar.stop()
+
+
 # -- TLS ------------------------------------------------------------------------------------
 
 

@@ -297,7 +297,7 @@ def test_invalid_utf8_and_bad_kserve_tensors_are_invalid_argument(sidecar: Sidec
         client.infer("llama", make_inputs(text_request("hi", 3)))
     # Shapes numpy cannot take, on the engine contract: INVALID_ARGUMENT, not INTERNAL.
     stub = service_pb2_grpc.GRPCInferenceServiceStub(sidecar.channel())
-    for shape, needle in (([-2, -3], "none negative"), ([2**32, 2**32], "do not fill")):
+    for shape, needle in (([-2, -3], "none negative"), ([2**32, 2**32], "too large")):
         message = kv.ModelInferRequest(model_name=ENGINE, id="shape")
         for name in ("input_ids", "input_lengths", "request_output_len"):
             tensor = message.inputs.add()

@@ -145,6 +145,17 @@ def test_credentials_match_by_digest_and_never_keep_the_token(tmp_path: Any) -> 
     )
     creds = Credentials.load(path)
     assert creds.by_token(token) == Principal("a", "team-a", frozenset({"client"}))
+    # No tenant key: the credential's own name, never any tenant (a forgotten key fails closed).
+    cert_ops = creds.by_identity(["ops.internal"])
+    assert cert_ops is not None and cert_ops.tenant == "cert-ops"
+    with pytest.raises(PermissionDeniedError, match="may only narrow"):
+        cert_ops.tenant_for("team-a")
+    # Anonymous beside credentials: a tenant of its own, which it may only narrow.
+    anonymous = auth.ANONYMOUS_BESIDE_CREDENTIALS
+    assert anonymous.tenant_for("") == "anonymous"
+    assert anonymous.tenant_for("anonymous/x") == "anonymous/x"
+    with pytest.raises(PermissionDeniedError):
+        anonymous.tenant_for("team-a")
     ops = creds.by_token("ops-token-0123456789")
     assert ops is not None and auth.ADMIN in ops.roles
     assert creds.by_token(token[:-1]) is None and creds.by_token("") is None
@@ -195,6 +206,34 @@ def test_tenant_quotas_bound_concurrency_and_token_rate() -> None:
         quotas.take(f"t{i}", 1, 3.0)
         quotas.give_back(f"t{i}")
     assert quotas.tracked <= 3 and quotas._state["a"].active == 2
+
+
+def test_a_narrowed_tenant_is_charged_to_its_parent_and_never_gets_a_fresh_bucket() -> None:
+    quotas = TenantQuotas(
+        Limits(max_concurrent=2, tokens_per_s=10, burst_tokens=100),
+        {"team-a/batch": Limits(max_concurrent=1)},
+    )
+    assert quotas.levels("team-a/x/y") == ["team-a"]  # no limits of their own: the root's
+    assert quotas.levels("team-a/batch/n") == ["team-a", "team-a/batch"]
+    # Each fresh sub-tenant used to get the default quota afresh; now they share team-a's.
+    assert quotas.take("team-a/one", 40, 0.0) is None
+    assert quotas.take("team-a/two", 40, 0.0) is None
+    refusal = quotas.take("team-a/three", 10, 0.0)
+    assert refusal is not None and refusal.quota == "concurrent"
+    assert "counted against tenant team-a" in refusal.message
+    quotas.give_back("team-a/one")
+    # The bucket is the parent's too: 80 of its 100 tokens are spent.
+    refusal = quotas.take("team-a/four", 30, 0.0)
+    assert refusal is not None and refusal.quota == "tokens"
+    assert refusal.retry_after_s == pytest.approx(1.0)
+    # A narrower level with limits of its own is bound by them and by its parent's.
+    quotas.give_back("team-a/two")
+    assert quotas.take("team-a/batch/n1", 5, 0.0) is None
+    refusal = quotas.take("team-a/batch/n2", 5, 0.0)
+    assert refusal is not None and "counted against tenant team-a/batch" in refusal.message
+    assert quotas.take("team-b", 5, 0.0) is None  # another root: its own default quota
+    quotas.give_back("team-a/batch/n1")
+    assert quotas._state["team-a"].active == 0 and quotas._state["team-a/batch"].active == 0
 
 
 def test_a_tenant_over_its_quota_is_refused_with_a_retry_hint() -> None:

@@ -417,6 +417,26 @@ def test_a_flooding_tenant_does_not_starve_another() -> None:
     assert {f"b{i}" for i in range(4)} <= set(order[:48])
 
 
+def test_a_flood_spread_over_sub_tenants_shares_its_roots_fair_share() -> None:
+    """A tenant that narrows itself to a fresh sub-tenant per request (`flood/1`, `flood/2`,
+    ...) is one tenant to fairness: it used to get a fresh tag each time, ahead of `quiet`."""
+    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=16)))
+    for i in range(200):
+        policy.submit(req(f"a{i}", 300, tenant=f"flood/{i}"), 0.0)
+    for i in range(4):
+        policy.submit(req(f"b{i}", 300, tenant="quiet"), 0.01)
+    order: list[str] = []
+    now = 0.05
+    for _ in range(8):
+        batch = dispatched(policy.schedule(now))
+        order += batch
+        for rid in batch:
+            policy.on_done(rid, now, 10)
+        now += 0.05
+    assert len(order) >= 64
+    assert {f"b{i}" for i in range(4)} <= set(order[:48])
+
+
 def test_idle_lanes_lend_their_share_and_busy_lanes_split_by_share() -> None:
     policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=32)))
     for i in range(64):
