@@ -220,11 +220,11 @@ class GenerationService:
                 raise BadRequestError(
                     f"token_ids: {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}"
                 )
-        elif len(params.prompt or "") <= INLINE_PROMPT_CHARS:
-            ids = self._encode(params.prompt or "")
+        elif len(text := params.prompt or "") <= INLINE_PROMPT_CHARS:
+            ids = self._encode(text)
         else:
             loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._tokenize, self._encode, params.prompt or "")
+            ids = await loop.run_in_executor(self._tokenize, self._encode, text)
         if not ids:
             raise BadRequestError("prompt: empty (give prompt text or token_ids)")
         if len(ids) > limit:

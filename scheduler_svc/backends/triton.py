@@ -6,8 +6,7 @@ for the next one (no call set-up per request). A request the sidecar no longer w
 gone, stop string, past its deadline) is ended the way TensorRT-LLM's own clients end one: a
 `stop` request with the same id on the same stream, the call reused once the engine has answered
 both; only a stream that stays silent is cancelled outright. Either way the engine frees the
-request's KV blocks. Errors
-become the sidecar's error types here and nowhere else.
+request's KV blocks. Errors become the sidecar's error types here and nowhere else.
 
 Over 500 lines on purpose until the layout issue (30) gives the Triton contracts a home of their
 own: the stream client, the request/response codec and the engine-profile reader live here

@@ -5,11 +5,12 @@ the end). A refusal says which limit and when a retry could pass. State is kept 
 `max_tenants` tenants: the least recently seen idle tenant is forgotten first (a forgotten
 tenant comes back with a full bucket, which only ever errs towards admitting).
 
-Tenants nest by `/`: `team-a/nightly` narrows `team-a`. A request is charged to its root
-tenant (with the root's limits: its own, else the default) and to every narrower level that
-has limits of its own; a narrowed tenant without them shares its parent's. So the parent's
-limits bound the sum of its sub-tenants, and naming a fresh sub-tenant never buys a fresh
-bucket.
+Tenants nest by `/`: `team-a/nightly` narrows `team-a`. A request is charged to every level of
+its tenant that has limits of its own (`team-a`, `team-a/nightly`, ...); where none has, to its
+root with the default limits. A narrowed tenant without limits of its own shares its parent's:
+the parent's limits bound the sum of its sub-tenants, and naming a fresh sub-tenant never buys
+a fresh bucket. (The default never binds a root above a tenant that has limits of its own:
+`org/team` configured is not capped by an unconfigured `org`.)
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ class TenantQuotas:
         return self.tenants.get(tenant, self.default)
 
     def levels(self, tenant: str) -> list[str]:
-        """The tenants a request of `tenant` is charged to, widest first: its root, then each
-        narrower level with limits of its own."""
+        """The tenants a request of `tenant` is charged to, widest first: each level with limits
+        of its own, else its root (with the default)."""
         parts = tenant.split("/")
-        narrower = ("/".join(parts[: i + 1]) for i in range(1, len(parts)))
-        return [parts[0], *(level for level in narrower if level in self.tenants)]
+        chain = ("/".join(parts[: i + 1]) for i in range(len(parts)))
+        return [level for level in chain if level in self.tenants] or [parts[0]]
 
     def take(self, tenant: str, tokens: int, now: float) -> Refusal | None:
         """Admit one request of `tokens` for `tenant`, or say why not (nothing is taken)."""

@@ -2,6 +2,9 @@
 
 Lifecycle: `start` (bind, serve, begin watching Triton's readiness) → `wait` → `drain` (health
 says NOT_SERVING, new calls are refused, in-flight ones get `drain_grace_s` to finish) → done.
+
+Over 500 lines on purpose until the layout issue (30) gives the process a package of its own:
+listeners, identities and TLS reloads, and the backend watch live in this one class today.
 """
 
 from __future__ import annotations
@@ -136,8 +139,9 @@ class Sidecar:
         self.chat = ChatTemplate.load(cfg.model.chat_template, cfg.model.tokenizer_dir)
         self.http: HttpFront | None = None
         self.http_port: int | None = None
-        self._http_tls: ssl.SSLContext | None = None  # the listener's; hands each handshake on
-        self._http_tls_now: ssl.SSLContext | None = None  # ... to this one (swapped on SIGHUP)
+        # HTTPS: the context loaded last; the listener's own (the first) hands every handshake
+        # on to it, so a SIGHUP swaps it whole.
+        self._http_tls: ssl.SSLContext | None = None
         self._serving: bool | None = None
         self.port = 0
         self.admin_port: int | None = None
@@ -207,8 +211,8 @@ class Sidecar:
         self, connection: ssl.SSLObject | ssl.SSLSocket, name: str | None, _: ssl.SSLContext
     ) -> None:
         """Every HTTPS handshake (with or without SNI) continues on the context loaded last."""
-        if self._http_tls_now is not None:
-            connection.context = self._http_tls_now
+        if self._http_tls is not None:
+            connection.context = self._http_tls
 
     def _server_for(self, guard: Guard) -> grpc.aio.Server:
         server_cfg = self.cfg.server
@@ -300,7 +304,6 @@ class Sidecar:
             self.http = HttpFront(self.service, lambda: self._client_identity, self.chat)
             if server_cfg.tls is not None:
                 self._http_tls = self._ssl_context()
-                self._http_tls_now = self._http_tls
                 self._http_tls.sni_callback = self._current_context
             self.http_port = await self.http.start(
                 server_cfg.host, server_cfg.http_port, self._http_tls
@@ -349,7 +352,7 @@ class Sidecar:
         if fresh is not None:
             self._tls_fresh = {"client": fresh, "admin": fresh}
         if http_tls is not None:
-            self._http_tls_now = http_tls
+            self._http_tls = http_tls
         log.info(
             "credentials and TLS reloaded",
             credentials=self._client_identity.credentials.size

@@ -209,12 +209,19 @@ def test_tenant_quotas_bound_concurrency_and_token_rate() -> None:
 
 
 def test_a_narrowed_tenant_is_charged_to_its_parent_and_never_gets_a_fresh_bucket() -> None:
+    default = Limits(max_concurrent=2, tokens_per_s=10, burst_tokens=100)
     quotas = TenantQuotas(
-        Limits(max_concurrent=2, tokens_per_s=10, burst_tokens=100),
-        {"team-a/batch": Limits(max_concurrent=1)},
+        default,
+        {
+            "team-a": default,
+            "team-a/batch": Limits(max_concurrent=1),
+            "org/team": Limits(max_concurrent=5),
+        },
     )
-    assert quotas.levels("team-a/x/y") == ["team-a"]  # no limits of their own: the root's
+    assert quotas.levels("team-a/x/y") == ["team-a"]  # no limits of their own: the parent's
     assert quotas.levels("team-a/batch/n") == ["team-a", "team-a/batch"]
+    assert quotas.levels("b/c") == ["b"]  # nothing configured: the root, with the default
+    assert quotas.levels("org/team/x") == ["org/team"]  # the default does not cap org/team
     # Each fresh sub-tenant used to get the default quota afresh; now they share team-a's.
     assert quotas.take("team-a/one", 40, 0.0) is None
     assert quotas.take("team-a/two", 40, 0.0) is None
@@ -231,8 +238,13 @@ def test_a_narrowed_tenant_is_charged_to_its_parent_and_never_gets_a_fresh_bucke
     assert quotas.take("team-a/batch/n1", 5, 0.0) is None
     refusal = quotas.take("team-a/batch/n2", 5, 0.0)
     assert refusal is not None and "counted against tenant team-a/batch" in refusal.message
-    assert quotas.take("team-b", 5, 0.0) is None  # another root: its own default quota
+    assert quotas.take("team-a/other", 5, 0.0) is None  # team-a's second place
+    refusal = quotas.take("team-a/more", 5, 0.0)
+    assert refusal is not None and "counted against tenant team-a:" in refusal.message
+    for i in range(3):  # an unconfigured root: sub-tenants share its default quota
+        assert (quotas.take(f"b/{i}", 5, 0.0) is None) == (i < 2)
     quotas.give_back("team-a/batch/n1")
+    quotas.give_back("team-a/other")
     assert quotas._state["team-a"].active == 0 and quotas._state["team-a/batch"].active == 0
 
 

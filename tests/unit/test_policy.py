@@ -399,30 +399,13 @@ def test_contiguous_mode_reserves_the_maximum_sequence_length() -> None:
     assert policy.stats().kv.fragmentation > 0.9  # type: ignore[union-attr]
 
 
-def test_a_flooding_tenant_does_not_starve_another() -> None:
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_flooding_tenant_does_not_starve_another(spread: bool) -> None:
+    """`spread`: the flood narrows itself to a fresh sub-tenant per request (`flood/1`, ...),
+    which used to get a fresh fair-share tag each time, ahead of `quiet`."""
     policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=16)))
     for i in range(200):
-        policy.submit(req(f"a{i}", 300, tenant="flood"), 0.0)
-    for i in range(4):
-        policy.submit(req(f"b{i}", 300, tenant="quiet"), 0.01)
-    order: list[str] = []
-    now = 0.05
-    for _ in range(8):
-        batch = dispatched(policy.schedule(now))
-        order += batch
-        for rid in batch:
-            policy.on_done(rid, now, 10)
-        now += 0.05
-    assert len(order) >= 64
-    assert {f"b{i}" for i in range(4)} <= set(order[:48])
-
-
-def test_a_flood_spread_over_sub_tenants_shares_its_roots_fair_share() -> None:
-    """A tenant that narrows itself to a fresh sub-tenant per request (`flood/1`, `flood/2`,
-    ...) is one tenant to fairness: it used to get a fresh tag each time, ahead of `quiet`."""
-    policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=100_000, max_in_flight=16)))
-    for i in range(200):
-        policy.submit(req(f"a{i}", 300, tenant=f"flood/{i}"), 0.0)
+        policy.submit(req(f"a{i}", 300, tenant=f"flood/{i}" if spread else "flood"), 0.0)
     for i in range(4):
         policy.submit(req(f"b{i}", 300, tenant="quiet"), 0.01)
     order: list[str] = []
