@@ -23,5 +23,7 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50051"]
 ENTRYPOINT ["scheduler-svc"]
 # 0.0.0.0 within the container's own network (publishing it is `-p`'s decision); Admin stays on
-# the container's loopback. Give clients credentials with --credentials-file (docs/sidecar.md).
+# the container's loopback. It refuses to start without credentials: mount a credentials file
+# and add `--credentials-file FILE`, or add `--anonymous client` to serve without credentials on
+# purpose (docs/sidecar.md, Credentials and roles).
 CMD ["serve", "--config", "/etc/scheduler-svc/config.yaml", "--host", "0.0.0.0"]

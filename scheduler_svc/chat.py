@@ -33,6 +33,18 @@ PLAIN = (
 class Message:
     role: str
     content: str
+    # OpenAI's optional `name` (a participant's) and `tool_call_id` (a tool answer's): handed to
+    # the template as message fields, where templates that know them look.
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def fields(self) -> dict[str, str]:
+        out = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 def _token_text(value: Any) -> str:
@@ -80,7 +92,7 @@ class ChatTemplate:
     def render(self, messages: list[Message]) -> str:
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.fields() for m in messages],
                 add_generation_prompt=True,
                 bos_token=self._bos,
                 eos_token=self._eos,

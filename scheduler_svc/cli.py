@@ -86,6 +86,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("server", "metrics_port"): getattr(args, "metrics_port", None),
         ("server", "host"): args.host,
         ("auth", "credentials_file"): getattr(args, "credentials_file", None),
+        ("auth", "anonymous"): getattr(args, "anonymous", None),
         ("server", "port"): args.port,
         ("server", "admin_port"): getattr(args, "admin_port", None),
         ("server", "http_port"): getattr(args, "http_port", None),
@@ -519,6 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--config", help="YAML config file (see config.example.yaml)")
         cmd.add_argument("--host", help="listen address (server.host)")
         cmd.add_argument("--credentials-file", help="tokens and identities (auth.credentials_file)")
+        cmd.add_argument(
+            "--anonymous",
+            choices=("auto", "client", "none"),
+            help="what callers without a credential may do (auth.anonymous); serving other "
+            "hosts with no credentials file needs 'client', said on purpose",
+        )
         cmd.add_argument("--port", type=int, help="gRPC port, 0 for a free one (server.port)")
         cmd.add_argument(
             "--admin-port",

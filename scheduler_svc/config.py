@@ -10,6 +10,7 @@ code of its kind goes into modules of its own (cost profiles live in scheduler_s
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +40,16 @@ from scheduler_svc.errors import ConfigError
 # Requests in flight until the engine's profile has been read (none is dispatched before then);
 # queue.max_in_flight null follows the engine from then on.
 UNREAD_MAX_IN_FLIGHT = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address serves this host only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Frozen(BaseModel):
@@ -528,6 +539,23 @@ class SidecarConfig(_Frozen):
     spec_gate: SpecGateSection | None = Field(
         None, description="The speculative-decoding gate; null: none."
     )
+
+    @model_validator(mode="after")
+    def _anonymous_only_on_purpose(self) -> SidecarConfig:
+        """Serving other hosts with no credentials is a decision, never a default."""
+        auth_cfg = self.auth
+        if (
+            not is_loopback(self.server.host)
+            and auth_cfg.credentials_file is None
+            and auth_cfg.anonymous == "auto"
+        ):
+            raise ValueError(
+                f"server.host {self.server.host} serves other hosts, and with no "
+                "auth.credentials_file anyone who reaches it could generate: give credentials "
+                "(auth.credentials_file, --credentials-file), or set auth.anonymous: client "
+                "(--anonymous client) to serve them without credentials on purpose"
+            )
+        return self
 
     @model_validator(mode="after")
     def _groups_are_known(self) -> SidecarConfig:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import struct
 import time
 import uuid
 from collections import Counter
@@ -66,6 +67,15 @@ TOKENIZER_THREADS = 2
 # A prompt this short is tokenized on the event loop (~25 µs per 100 characters here): less
 # than the hop to a tokenizer thread and back.
 INLINE_PROMPT_CHARS = 256
+
+
+def float32(value: float) -> float:
+    """`value` as the engine receives it (a 32-bit float): too large becomes infinite, too small
+    becomes 0, NaN stays NaN."""
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def make_quotas(cfg: QuotaConfig) -> TenantQuotas:
@@ -271,12 +281,21 @@ class GenerationService:
             raise BadRequestError(
                 f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"
             )
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise BadRequestError(f"temperature: {params.temperature} is not a finite number >= 0")
+        # Floats are checked as the engine will see them (32-bit): 1e39 is finite here and
+        # infinite there, where it would fail every row batched with it.
+        temperature = float32(params.temperature)
+        if not math.isfinite(temperature) or temperature < 0:
+            raise BadRequestError(
+                f"temperature: {params.temperature} is not a finite 32-bit number >= 0"
+            )
         if not 0 <= params.top_p <= 1:
             raise BadRequestError(f"top_p: {params.top_p} is outside 0..1")
-        if params.top_k < 0:
-            raise BadRequestError(f"top_k: {params.top_k} is negative")
+        if not 0 <= params.top_k <= self.vocab_size:
+            raise BadRequestError(
+                f"top_k: {params.top_k} is outside 0..{self.vocab_size} (the vocabulary)"
+            )
+        if not 0 <= params.seed < 2**64:
+            raise BadRequestError(f"seed: {params.seed} is outside 0..2**64-1")
         if len(params.stop) > MAX_STOP_STRINGS:
             raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
@@ -299,12 +318,16 @@ class GenerationService:
             raise BadRequestError(
                 f"min_length: {params.min_length}, allowed 0..{max_tokens} (max_tokens)"
             )
-        penalty = params.repetition_penalty
+        penalty = float32(params.repetition_penalty)
         if not (math.isfinite(penalty) and penalty > 0):
-            raise BadRequestError(f"repetition_penalty: {penalty} is not a positive number")
+            raise BadRequestError(
+                f"repetition_penalty: {params.repetition_penalty} is not a positive 32-bit number"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(params, name)):
-                raise BadRequestError(f"{name}: {getattr(params, name)} is not finite")
+            if not math.isfinite(float32(getattr(params, name))):
+                raise BadRequestError(
+                    f"{name}: {getattr(params, name)} is not a finite 32-bit number"
+                )
         if params.end_id is not None and not -1 <= params.end_id < self.vocab_size:
             raise BadRequestError(f"end_id: {params.end_id} is outside -1..{self.vocab_size - 1}")
         if params.pad_id is not None and not 0 <= params.pad_id < self.vocab_size:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import ssl
 import time
 from pathlib import Path
@@ -39,7 +38,13 @@ from scheduler_svc.backends.kvpoll import poll_kv
 from scheduler_svc.backends.pool import TritonPool
 from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.chat import ChatTemplate
-from scheduler_svc.config import UNREAD_MAX_IN_FLIGHT, BackendGroup, SidecarConfig, TritonConfig
+from scheduler_svc.config import (
+    UNREAD_MAX_IN_FLIGHT,
+    BackendGroup,
+    SidecarConfig,
+    TritonConfig,
+    is_loopback,
+)
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.routing import DEFAULT_GROUP
@@ -63,15 +68,6 @@ SERVICES = (
     pb.DESCRIPTOR.services_by_name["Admin"].full_name,
     kserve.SERVICE,
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def make_scheduler(cfg: SidecarConfig) -> Scheduler:
@@ -248,6 +244,25 @@ class Sidecar:
             raise OSError(f"cannot listen on {address}")
         return bound
 
+    def _warn_about_exposure(self) -> None:
+        """Say at start what the configuration leaves open that an operator may not expect."""
+        tls = self.cfg.server.tls
+        if tls is not None and tls.client_ca_file and not tls.require_client_cert:
+            # grpcio's server credentials either require a client certificate or never ask
+            # for one: there is no "ask, but accept none" on gRPC (HTTPS has it).
+            log.warning(
+                "gRPC does not ask for an optional client certificate",
+                detail="gRPC callers are identified by bearer token, HTTPS callers by token or "
+                "certificate; server.tls.require_client_cert identifies gRPC callers by "
+                "certificate too (docs/sidecar.md, TLS)",
+            )
+        if not is_loopback(self.cfg.server.host) and self._client_identity.anonymous.roles:
+            log.warning(
+                "the client port is open beyond this host to callers without a credential; "
+                "set auth.credentials_file (docs/sidecar.md, Credentials and roles)",
+                host=self.cfg.server.host,
+            )
+
     async def start(self) -> int:
         """Bind and start serving; return the port (useful when the config says 0)."""
         server_cfg = self.cfg.server
@@ -280,12 +295,7 @@ class Sidecar:
             self.admin_port = self._listen(
                 self._admin_server, "admin", server_cfg.admin_host, server_cfg.admin_port
             )
-        if not is_loopback(server_cfg.host) and self._client_identity.anonymous.roles:
-            log.warning(
-                "the client port is open beyond this host to callers without a credential; "
-                "set auth.credentials_file (docs/sidecar.md, Credentials and roles)",
-                host=server_cfg.host,
-            )
+        self._warn_about_exposure()
         await self.backend.start()
         for other in self.others.values():
             await other.start()

@@ -4,9 +4,12 @@ Bodies are checked strictly: a field OpenAI defines that this engine cannot hono
 top log probabilities, logit biases, ...) and a field nobody defines are both refused 400,
 naming the field, rather than silently ignored. `logprobs` returns each chosen token's log
 probability (chat: `logprobs: true`; completions: `logprobs: 0`); the presence and frequency
-penalties go to the engine. Sampling follows OpenAI's defaults (temperature 1, top_p 1), so
-`temperature: 0` is greedy. The lane comes from the vLLM-style `priority` field (negative:
-interactive, 0: standard, positive: batch) or from a gateway's objective header.
+penalties go to the engine. Messages' `name` and `tool_call_id` go to the chat template as
+message fields (a template that does not mention them renders as without them); `user`, the
+end user's label OpenAI asks for abuse monitoring, is accepted and changes nothing. Sampling
+follows OpenAI's defaults (temperature 1, top_p 1), so `temperature: 0` is greedy. The lane
+comes from the vLLM-style `priority` field (negative: interactive, 0: standard, positive:
+batch) or from a gateway's objective header.
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ def params_of(
     token_ids: tuple[int, ...] | None = None
     if isinstance(body, ChatBody):
         assert chat is not None
-        prompt = chat.render([Message(m.role, m.text()) for m in body.messages])
+        messages = [Message(m.role, m.text(), m.name, m.tool_call_id) for m in body.messages]
+        prompt = chat.render(messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
     else:
         if isinstance(body.prompt, str):

@@ -10,11 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
+from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.triton.launcher import TritonServer
 from tests.integration.certs import Authority
 from tests.integration.prompts import STORY
@@ -233,6 +236,8 @@ def test_bad_requests_get_openai_and_triton_shaped_errors(sidecar: SidecarProces
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"model": "gpt-4o"}, 404, "does not exist here"),
         ({"prompt": "x" * 5_000_000}, 413, "server.max_message_bytes"),
+        # Past the engine's 32-bit tensors: refused by name (before, a 500 for the batch).
+        ({"extra_body": {"top_k": 2**40}}, 400, "top_k: 1099511627776 is outside"),
     ):
         call = {"model": "ensemble", "prompt": "hello", "max_tokens": 2, **kwargs}
         with pytest.raises(openai.APIStatusError) as caught:
@@ -249,6 +254,8 @@ def test_bad_requests_get_openai_and_triton_shaped_errors(sidecar: SidecarProces
         ({"max_tokens": 2}, 400, "missing required input 'text_input'"),
         ({"text_input": "hi", "max_tokens": 2, "bogus": 1}, 400, "unknown input"),
         ({"text_input": "hi", "max_tokens": "2"}, 400, "expected a INT32 value"),
+        ({"text_input": "hi", "max_tokens": 2, "temperature": 1e39}, 400, "temperature: 1e+39"),
+        ({"text_input": "hi", "max_tokens": 2, "presence_penalty": -1e39}, 400, "presence_pen"),
     ):
         answer = httpx.post(generate, json=body)
         assert answer.status_code == status and needle in answer.json()["error"], answer.text
@@ -352,5 +359,20 @@ def test_https_with_a_client_certificate_as_the_credential(
         with pytest.raises(httpx.HTTPError):  # plaintext is not served
             httpx.post(url.replace("https", "http"), json=body)
         assert {e["tenant"] for e in sidecar.events("request end")} == {"team-a"}
+        # gRPC cannot ask for an optional certificate (grpcio: required or never asked), so
+        # there the same client is a caller without a credential, and the log says so.
+        warned = sidecar.events("gRPC does not ask for an optional client certificate")
+        assert len(warned) == 1
+        grpc_tls = grpc.ssl_channel_credentials(
+            ca.pair.cert.read_bytes(), team.key.read_bytes(), team.cert.read_bytes()
+        )
+        channel = grpc.secure_channel(
+            sidecar.url, grpc_tls, (("grpc.ssl_target_name_override", "localhost"),)
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.SchedulerStub(channel).Generate(
+                pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=10
+            )
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         sidecar.stop()

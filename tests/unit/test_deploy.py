@@ -19,6 +19,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from scheduler_svc import modelrepo
+from scheduler_svc.cli import _overrides, build_parser
 from scheduler_svc.config import load_config
 from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.core.types import KvStats, SchedulerStats
@@ -304,7 +305,9 @@ def test_the_pod_drains_the_sidecar_first_and_runs_locked_down() -> None:
     mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "sidecar-credentials")
     assert args[args.index("--credentials-file") + 1].startswith(mount["mountPath"])
     assert secret["secret"]["secretName"] == "scheduler-svc-credentials"
-    cfg = load_config(None, {"server": {"host": "0.0.0.0"}})
+    with pytest.raises(ConfigError, match="serves other hosts"):
+        load_config(None, {"server": {"host": "0.0.0.0"}})  # anonymous, never by default
+    cfg = load_config(None, {"server": {"host": "0.0.0.0"}, "auth": {"anonymous": "client"}})
     assert cfg.server.admin_host == "127.0.0.1"  # Admin never leaves the pod
     policy = k8s_docs(K8S / "base" / "networkpolicy.yaml")[0]
     open_ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
@@ -430,6 +433,23 @@ def test_the_sidecar_image_is_slim_non_root_and_health_checked() -> None:
     assert "FROM python:3.11-slim" in text
     assert re.search(r"^USER 10001$", text, re.M)
     assert 'CMD ["scheduler-svc", "health"' in text
+
+
+def _served(command: list[str]) -> Any:
+    """The config a `scheduler-svc serve ...` command line would run with (files as shipped)."""
+    args = build_parser().parse_args(command)
+    assert args.config == "/etc/scheduler-svc/config.yaml"  # the image's baked cpu config
+    return load_config(ROOT / "deploy/k8s/overlays/cpu/sidecar.yaml", _overrides(args))
+
+
+def test_the_image_and_compose_serve_other_hosts_anonymously_only_when_told() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="serves other hosts"):
+        _served(cmd)  # the image's default: 0.0.0.0 and no credentials file
+    assert _served([*cmd, "--credentials-file", "/run/creds.yaml"]).auth.anonymous == "auto"
+    sidecar = compose("cpu")["services"]["sidecar-cpu"]
+    assert _served(sidecar["command"]).auth.anonymous == "client"  # said on purpose
 
 
 # -- behind a gateway: llm-d / the Gateway API Inference Extension -----------------------------

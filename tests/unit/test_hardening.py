@@ -38,7 +38,12 @@ from scheduler_svc.runner import runner_for
 from scheduler_svc.server.app import make_scheduler
 from scheduler_svc.server.controls import parse_policy_json
 from scheduler_svc.server.guard import role_for
-from scheduler_svc.service import INLINE_PROMPT_CHARS, GenerationParams, GenerationService
+from scheduler_svc.service import (
+    INLINE_PROMPT_CHARS,
+    Final,
+    GenerationParams,
+    GenerationService,
+)
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -90,6 +95,31 @@ def test_oversized_fields_are_refused_before_any_work() -> None:
                 await collect(service, params)
             assert len(str(caught.value)) < 200  # the error echoes bounded text only
         assert encoded == [] and loop.accepted == 0
+
+    serve(ScriptedBackend(), body)
+
+
+def test_numbers_the_engine_cannot_take_are_refused_by_name() -> None:
+    """Values that fit Python but not the engine's 32-bit tensors: refused here, one request at
+    a time, never cast and sent (where, batched, they failed every row beside them)."""
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        vocab = service.vocab_size
+        cases = [
+            (GenerationParams("r", prompt="hi", temperature=1e39), "temperature: 1e"),
+            (GenerationParams("r", prompt="hi", top_k=2**40), f"top_k: {2**40} is outside"),
+            (GenerationParams("r", prompt="hi", top_k=vocab + 1), f"0..{vocab}"),
+            (GenerationParams("r", prompt="hi", seed=2**64), "seed: "),
+            (GenerationParams("r", prompt="hi", presence_penalty=-1e39), "presence_penalty"),
+            (GenerationParams("r", prompt="hi", frequency_penalty=4e38), "frequency_penalty"),
+            (GenerationParams("r", prompt="hi", repetition_penalty=1e-50), "repetition_penalty"),
+        ]
+        for params, needle in cases:
+            with pytest.raises(BadRequestError, match=needle):
+                await collect(service, params)
+        assert loop.accepted == 0
+        ok = GenerationParams("r", prompt="hi", max_tokens=2, temperature=1.0, top_k=vocab)
+        assert isinstance((await collect(service, ok))[-1], Final)
 
     serve(ScriptedBackend(), body)
 

@@ -138,6 +138,18 @@ def test_chat_messages_render_through_the_template() -> None:
     p = params(body)
     assert p.prompt == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
     assert p.max_tokens == 9
+    named = ChatTemplate(
+        "{% for m in messages %}{{ m.name or m.role }}/{{ m.tool_call_id }}: {{ m.content }}\n"
+        "{% endfor %}",
+        "test",
+    )
+    said = [
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "tool", "content": "42", "tool_call_id": "call-7"},
+    ]
+    body = openai.parse(openai.ChatBody, {"model": "ensemble", "messages": said})
+    p = openai.params_of(body, "ensemble", "r", None, "", named)
+    assert p.prompt == "ann/: Hi\ntool/call-7: 42\n"  # the template sees both fields
     with pytest.raises(BadRequestError, match="messages"):
         openai.parse(openai.ChatBody, {"model": "ensemble", "messages": []})
     with pytest.raises(BadRequestError, match="role"):
