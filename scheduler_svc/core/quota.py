@@ -69,11 +69,23 @@ class TenantQuotas:
 
     def take(self, tenant: str, tokens: int, now: float) -> Refusal | None:
         """Admit one request of `tokens` for `tenant`, or say why not (nothing is taken)."""
+        return self._charge(tenant, tokens, tokens, now, admit=True)
+
+    def take_more(self, tenant: str, tokens: int, total: int, now: float) -> Refusal | None:
+        """Charge `tokens` more to a request `take` admitted (once its real size, `total`, is
+        known), or say why not (nothing more is charged; it still holds its place until
+        `give_back`). `take` on a lower bound, then this, refuses what one `take` of the real
+        size would, and a tenant at its concurrency limit before any work is done."""
+        return self._charge(tenant, tokens, total, now, admit=False)
+
+    def _charge(
+        self, tenant: str, tokens: int, total: int, now: float, *, admit: bool
+    ) -> Refusal | None:
         charged = [(level, self.limits(level)) for level in self.levels(tenant)]
         states = [self._touch(level, limits, now) for level, limits in charged]
         try:
             for (level, limits), state in zip(charged, states, strict=True):
-                refusal = self._refusal(limits, state, tokens)
+                refusal = self._refusal(limits, state, tokens, total, admit)
                 if refusal is not None:
                     if level != tenant:
                         message = f"counted against tenant {level}: {refusal.message}"
@@ -82,14 +94,17 @@ class TenantQuotas:
             for (_, limits), state in zip(charged, states, strict=True):
                 if limits.tokens_per_s is not None:
                     state.tokens -= tokens
-                state.active += 1
+                state.active += admit
             return None
         finally:
             self._forget_idle()  # after charging: a level just charged is not idle
 
     @staticmethod
-    def _refusal(limits: Limits, state: _State, tokens: int) -> Refusal | None:
-        if limits.max_concurrent is not None and state.active >= limits.max_concurrent:
+    def _refusal(
+        limits: Limits, state: _State, tokens: int, total: int, admit: bool
+    ) -> Refusal | None:
+        busy = limits.max_concurrent is not None and state.active >= limits.max_concurrent
+        if admit and busy:
             return Refusal(
                 "concurrent",
                 f"{state.active} requests of this tenant are in progress, its limit is "
@@ -98,10 +113,10 @@ class TenantQuotas:
             )
         if limits.tokens_per_s is None:
             return None
-        if tokens > limits.bucket:
+        if total > limits.bucket:
             return Refusal(
                 "tokens",
-                f"the request costs {tokens} tokens, more than this tenant's bucket of "
+                f"the request costs {total} tokens, more than this tenant's bucket of "
                 f"{limits.bucket:.0f} can ever hold",
                 60.0,
             )
@@ -114,11 +129,16 @@ class TenantQuotas:
             )
         return None
 
-    def give_back(self, tenant: str) -> None:
+    def give_back(self, tenant: str, refund: int = 0) -> None:
+        """A request of `tenant` ended; `refund`: tokens it was charged and never used (one
+        refused by `take_more` gives back what `take` charged)."""
         for level in self.levels(tenant):
             state = self._state.get(level)
             if state is not None and state.active > 0:
                 state.active -= 1
+                limits = self.limits(level)
+                if refund and limits.tokens_per_s is not None:
+                    state.tokens = min(limits.bucket, state.tokens + refund)
 
     def _touch(self, tenant: str, limits: Limits, now: float) -> _State:
         state = self._state.get(tenant)

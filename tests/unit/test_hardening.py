@@ -40,6 +40,7 @@ from scheduler_svc.server.controls import parse_policy_json
 from scheduler_svc.server.guard import role_for
 from scheduler_svc.service import (
     INLINE_PROMPT_CHARS,
+    PREFIX_CHARS_PER_TOKEN,
     Final,
     GenerationParams,
     GenerationService,
@@ -276,6 +277,72 @@ def test_a_narrowed_tenant_is_charged_to_its_parent_and_never_gets_a_fresh_bucke
     quotas.give_back("team-a/batch/n1")
     quotas.give_back("team-a/other")
     assert quotas._state["team-a"].active == 0 and quotas._state["team-a/batch"].active == 0
+
+
+def test_quota_is_checked_before_the_prompt_is_tokenized() -> None:
+    encoded: list[str] = []
+    backend = ScriptedBackend()
+    long_prompt = "hello there " * 100  # longer than INLINE_PROMPT_CHARS: a tokenizer thread
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        spy(service, encoded)
+        backend.hold()
+        first = asyncio.create_task(collect(service, GenerationParams("r1", prompt="hi")))
+        await until(lambda: loop.accepted == 1)
+        encoded.clear()
+        with pytest.raises(QuotaExceededError, match="concurrent|in progress"):
+            await collect(service, GenerationParams("r2", prompt=long_prompt))
+        assert encoded == []  # refused on its concurrency before any tokenizing
+        backend.release()
+        await first
+        # A lower bound of the prompt's tokens (its bytes over the longest token's) is charged
+        # before tokenizing: a prompt whose bound alone exceeds the bucket is never tokenized.
+        huge = "word " * (service.max_token_bytes * 300 // 5)
+        with pytest.raises(QuotaExceededError, match="more than this tenant's bucket"):
+            await collect(service, GenerationParams("r3", prompt=huge, max_tokens=2))
+        assert encoded == []
+        # The rest is charged once counted; a refusal then gives back what was charged.
+        state = service.quotas._state["team-a"]
+        before = state.tokens
+        with pytest.raises(QuotaExceededError, match="more than this tenant's bucket"):
+            await collect(service, GenerationParams("r4", prompt="hello " * 260, max_tokens=2))
+        assert len(encoded) == 1 and state.active == 0
+        assert state.tokens == pytest.approx(before, abs=50)  # refilled a little, not spent
+
+    quotas = {"tenants": {"team-a": {"max_concurrent": 1, "tokens_per_s": 20, "burst_tokens": 250}}}
+    principal = Principal("a", "team-a", frozenset({auth.CLIENT}))
+    token = auth.CURRENT.set(principal)
+    try:
+        serve(backend, body, {"quotas": quotas, "model": {"max_input_tokens": 4096}})
+    finally:
+        auth.CURRENT.reset(token)
+
+
+def test_a_prompt_far_over_the_limit_is_refused_on_a_prefix() -> None:
+    lengths: list[int] = []
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        encode = service._encode
+
+        def measured(text: str) -> tuple[int, ...]:
+            lengths.append(len(text))
+            return encode(text)
+
+        service._encode = measured  # type: ignore[method-assign]
+        limit = service.cfg.model.max_input_tokens
+        story = "Long prompts block short chats; 长请求会阻塞短对话。 "
+        prompt = story * (PREFIX_CHARS_PER_TOKEN * limit * 2 // len(story))  # ~2x the prefix
+        with pytest.raises(BadRequestError, match=f"more than {limit} tokens"):
+            await collect(service, GenerationParams("r", prompt=prompt, max_tokens=2))
+        assert len(lengths) == 1 and lengths[0] <= PREFIX_CHARS_PER_TOKEN * limit < len(prompt)
+        # Within the limit, the whole prompt is counted (the prefix is only a shortcut).
+        fits = "internationalization " * (limit * 9 // 21)  # ~10 characters a token
+        assert len(fits) > PREFIX_CHARS_PER_TOKEN * limit
+        lengths.clear()
+        events = await collect(service, GenerationParams("s", prompt=fits, max_tokens=2))
+        assert isinstance(events[-1], Final) and lengths[-1] == len(fits)
+
+    serve(ScriptedBackend(), body)
 
 
 def test_a_tenant_over_its_quota_is_refused_with_a_retry_hint() -> None:
