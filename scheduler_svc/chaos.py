@@ -5,6 +5,11 @@ as a subprocess):
 - fuzz:    hypothesis-generated calls on both gRPC fronts (scheduler.v1, KServe v2 unary and
            streaming, metadata, Admin without the role, UpdatePolicy dry runs with arbitrary
            JSON), well-formed and mutated, `cases` of them, `concurrency` at once;
+- http:    the same for the HTTP fronts (OpenAI and Triton's generate extension, metadata,
+           health, unknown paths and methods), `http_cases` of them (chaos_wire.py);
+- tls:     a sidecar serving TLS takes handshakes on its gRPC and HTTPS ports, well-formed and
+           not (mutated ClientHellos, random bytes, plaintext, abandoned, unknown client CAs),
+           `tls_cases` of them (chaos_wire.py);
 - freeze:  streams running while Triton is frozen (SIGSTOP) past the stall timeout, then thawed;
 - slow:    streams running while Triton is stopped and continued every 100 ms;
 - kill:    streams running when Triton is killed (SIGKILL); Triton is started again;
@@ -12,7 +17,8 @@ as a subprocess):
 
 For every phase it counts the calls sent, the statuses seen, calls that never ended (no status
 within `BOUND_S`, longer than the sidecar's own maximum request duration), INTERNAL or UNKNOWN
-answers, and accepted requests lost (admitted by the sidecar with no recorded end: its own
+answers (and, on the HTTP and TLS phases, `internal error` lines in the sidecar's log), and
+accepted requests lost (admitted by the sidecar with no recorded end: its own
 counters, read over Admin or from its last log line). Targets: 0, 0, 0.
 """
 
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -41,12 +49,21 @@ from tritonclient.grpc import service_pb2 as kv
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.chaos_wire import (
+    TlsCase,
+    client_hello,
+    http_case,
+    send_http,
+    send_tls,
+    tls_case,
+)
+from scheduler_svc.testing.certs import Authority
 from scheduler_svc.triton.launcher import TritonServer
 
 MAX_REQUEST_S = 60.0  # the chaos sidecar's server.max_request_s
 STALL_S = 3.0  # ... and its triton.stall_timeout_s
 BOUND_S = MAX_REQUEST_S + 30  # a call without a status by then never ended
-BAD = ("INTERNAL", "UNKNOWN")
+BAD = ("INTERNAL", "UNKNOWN", "UNTRUSTED_ACCEPTED")
 
 SCHEDULER = "/scheduler.v1.Scheduler/"
 KSERVE = "/inference.GRPCInferenceService/"
@@ -104,17 +121,25 @@ class Phase:
 class Sidecar:
     """`scheduler-svc serve` as a subprocess; its JSON log lines are kept."""
 
-    def __init__(self, triton_url: str, workdir: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        triton_url: str,
+        workdir: Path,
+        config: dict[str, Any],
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / f"sidecar-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--config", str(path)]
         command += ["--triton-url", triton_url, "--port", "0", "--admin-port", "0"]
         command += ["--host", "127.0.0.1"]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        # gRPC core's own INFO lines (a refused handshake each) would drown the run's output.
+        env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         self.events: list[dict[str, Any]] = []
         ready = threading.Event()
-        self.port = self.admin_port = 0
+        self.port = self.admin_port = self.http_port = 0
 
         log_file = (workdir / "sidecar.log").open("a")
 
@@ -129,6 +154,7 @@ class Sidecar:
                         self.events.append(event)
                         if event.get("event") == "sidecar ready":
                             self.port, self.admin_port = event["port"], event["admin_port"]
+                            self.http_port = event.get("http_port") or 0
                             ready.set()
 
         self._reader = threading.Thread(target=read, daemon=True)
@@ -136,9 +162,20 @@ class Sidecar:
         if not ready.wait(120):
             self.proc.kill()
             raise RuntimeError("the sidecar did not start")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        if channel_credentials is None:
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        else:
+            self.channel = grpc.secure_channel(
+                f"127.0.0.1:{self.port}",
+                channel_credentials,
+                (("grpc.ssl_target_name_override", "localhost"),),
+            )
         admin = grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
         self.admin = pb_grpc.AdminStub(admin)  # type: ignore[no-untyped-call]
+
+    def internal_errors(self) -> int:
+        """`internal error` lines the sidecar has logged so far."""
+        return sum(1 for e in list(self.events) if e.get("event") == "internal error")
 
     def stats(self) -> pb.Stats:
         stats: pb.Stats = self.admin.GetStats(pb.GetStatsRequest(), timeout=10)
@@ -178,7 +215,12 @@ class Sidecar:
 
 def sidecar_config(**server: Any) -> dict[str, Any]:
     return {
-        "server": {"max_request_s": MAX_REQUEST_S, "write_timeout_s": 10.0, **server},
+        "server": {
+            "max_request_s": MAX_REQUEST_S,
+            "write_timeout_s": 10.0,
+            "http_port": 0,
+            **server,
+        },
         "triton": {"stall_timeout_s": STALL_S, "health_interval_s": 0.2},
         "queue": {"max_queued": 128},
     }
@@ -372,18 +414,23 @@ def cases() -> st.SearchStrategy[Case]:
 # -- the phases ------------------------------------------------------------------------------
 
 
-def fuzz(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase:
-    phase = Phase("fuzz")
-    before = sidecar.stats()
-    admin = grpc.insecure_channel(f"127.0.0.1:{sidecar.admin_port}")
+def _fuzz(
+    phase: Phase,
+    strategy: st.SearchStrategy[Any],
+    send_one: Callable[[Any], tuple[str, str, float]],
+    count: int,
+    concurrency: int,
+    run_seed: int,
+) -> None:
+    """Send `count` drawn cases, `concurrency` in flight at once; record each in `phase`."""
     pool = ThreadPoolExecutor(concurrency)
     room = threading.Semaphore(concurrency)  # calls in flight; no barrier between batches
     lock = threading.Lock()
     batch = 32
 
-    def one(case: Case) -> None:
+    def one(case: Any) -> None:
         try:
-            code, details, elapsed = call(sidecar.channel, admin, case)
+            code, details, elapsed = send_one(case)
             with lock:
                 phase.sent += 1
                 phase.record(code, details, elapsed, case)
@@ -398,8 +445,8 @@ def fuzz(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase
         suppress_health_check=list(HealthCheck),
         derandomize=False,
     )
-    @given(st.lists(cases(), min_size=batch, max_size=batch))
-    def send(drawn: list[Case]) -> None:
+    @given(st.lists(strategy, min_size=batch, max_size=batch))
+    def send(drawn: list[Any]) -> None:
         for case in drawn:
             room.acquire()
             pool.submit(one, case)
@@ -408,7 +455,115 @@ def fuzz(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase
     send()
     pool.shutdown(wait=True)
     phase.seconds = time.monotonic() - started
+
+
+def fuzz(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase:
+    phase = Phase("fuzz")
+    before = sidecar.stats()
+    admin = grpc.insecure_channel(f"127.0.0.1:{sidecar.admin_port}")
+    _fuzz(
+        phase,
+        cases(),
+        lambda case: call(sidecar.channel, admin, case),
+        count,
+        concurrency,
+        run_seed,
+    )
     counted(phase, sidecar, before)
+    return phase
+
+
+def _logged_internal(phase: Phase, sidecar: Sidecar, before: int) -> None:
+    """Internal errors the sidecar logged during the phase, whatever the client saw."""
+    logged = sidecar.internal_errors() - before
+    if logged:
+        phase.statuses["INTERNAL"] += logged
+        phase.bad_examples.append(f"{logged} 'internal error' lines in the sidecar's log")
+
+
+def fuzz_http(sidecar: Sidecar, count: int, concurrency: int, run_seed: int) -> Phase:
+    phase = Phase("http")
+    before, errors = sidecar.stats(), sidecar.internal_errors()
+    _fuzz(
+        phase,
+        http_case(),
+        lambda case: send_http("127.0.0.1", sidecar.http_port, case, BOUND_S),
+        count,
+        concurrency,
+        run_seed,
+    )
+    counted(phase, sidecar, before)
+    _logged_internal(phase, sidecar, errors)
+    return phase
+
+
+def fuzz_tls(triton_url: str, workdir: Path, count: int, concurrency: int, run_seed: int) -> Phase:
+    """A sidecar serving TLS with optional client certificates takes handshakes of every kind
+    on its gRPC and HTTPS ports; well-formed ones make a request."""
+    phase = Phase("tls")
+    folder = workdir / "tls"
+    folder.mkdir(parents=True, exist_ok=True)
+    ca = Authority(folder, "chaos-ca")
+    server = ca.issue("sidecar", ["localhost"])
+    client = ca.issue("client.chaos", ["client.chaos"])
+    (folder / "stranger").mkdir(exist_ok=True)
+    stranger = Authority(folder / "stranger", "stranger-ca").issue("stranger", ["stranger"])
+    tls = {
+        "cert_file": str(server.cert),
+        "key_file": str(server.key),
+        "client_ca_file": str(ca.pair.cert),
+    }
+    roots = ca.pair.cert.read_bytes()
+    sidecar = Sidecar(
+        triton_url,
+        workdir,
+        sidecar_config(tls=tls),
+        grpc.ssl_channel_credentials(roots),
+    )
+    contexts: dict[str, ssl.SSLContext] = {}
+    for name, pair in (("none", None), ("trusted", client), ("untrusted", stranger)):
+        context = ssl.create_default_context(cafile=str(ca.pair.cert))
+        context.check_hostname = False  # the unknown server name is sent in SNI only
+        if pair is not None:
+            context.load_cert_chain(str(pair.cert), str(pair.key))
+        contexts[name] = context
+    generate = pb.GenerateRequest(prompt="hello", max_tokens=2).SerializeToString()
+
+    def grpc_call(client_cert: str) -> tuple[str, str, float]:
+        pair = {"trusted": client, "untrusted": stranger}.get(client_cert)
+        credentials = grpc.ssl_channel_credentials(
+            roots,
+            pair.key.read_bytes() if pair else None,
+            pair.cert.read_bytes() if pair else None,
+        )
+        options = (("grpc.ssl_target_name_override", "localhost"),)
+        with grpc.secure_channel(f"127.0.0.1:{sidecar.port}", credentials, options) as channel:
+            case = Case(SCHEDULER + "Generate", "unary", (generate,))
+            return call(channel, channel, case)
+
+    try:
+        sidecar.wait_serving()
+        before, errors = sidecar.stats(), sidecar.internal_errors()
+        ports = {"grpc": sidecar.port, "https": sidecar.http_port}
+        _fuzz(
+            phase,
+            tls_case(client_hello()),
+            lambda case: send_tls(case, "127.0.0.1", ports, contexts, grpc_call, BOUND_S),
+            count,
+            concurrency,
+            run_seed,
+        )
+        # Still serving both ports after all of it.
+        for case_port in ("grpc", "https"):
+            code, details, elapsed = send_tls(
+                TlsCase("handshake", case_port), "127.0.0.1", ports, contexts, grpc_call, BOUND_S
+            )
+            phase.sent += 1
+            phase.record("OK" if code == "OK" else "UNKNOWN", details, elapsed)
+        counted(phase, sidecar, before)
+        _logged_internal(phase, sidecar, errors)
+    finally:
+        sidecar.stop()
     return phase
 
 
@@ -520,10 +675,12 @@ def sigterm(triton_url: str, workdir: Path, queued: int) -> Phase:
 @dataclass(frozen=True)
 class Plan:
     cases: int = 100_000
+    http_cases: int = 50_000
+    tls_cases: int = 5_000
     concurrency: int = 32
     streams: int = 4
     seed: int = 0
-    phases: tuple[str, ...] = ("fuzz", "freeze", "slow", "kill", "sigterm")
+    phases: tuple[str, ...] = ("fuzz", "http", "tls", "freeze", "slow", "kill", "sigterm")
 
 
 def run(
@@ -551,6 +708,12 @@ def run(
             say(f"phase {name} ...")
             if name == "fuzz":
                 results.append(fuzz(sidecar, plan.cases, plan.concurrency, plan.seed))
+            elif name == "http":
+                results.append(fuzz_http(sidecar, plan.http_cases, plan.concurrency, plan.seed))
+            elif name == "tls":
+                results.append(
+                    fuzz_tls(triton.grpc_url, workdir, plan.tls_cases, plan.concurrency, plan.seed)
+                )
             elif name == "freeze":
                 results.append(freeze(sidecar, triton, plan.streams))
             elif name == "slow":

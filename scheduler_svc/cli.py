@@ -8,7 +8,8 @@ Commands:
   model-repo render a Triton model repository from templates, or check one offline
   health   ask a sidecar's gRPC health service (exit 0 when SERVING); for container probes
   drain    drain a sidecar and wait until it is idle (Triton's preStop in Kubernetes)
-  chaos    fuzz both gRPC fronts and fault Triton (freeze, slow, kill, SIGTERM); reliability
+  chaos    fuzz every front (gRPC, HTTP, TLS handshakes) and fault Triton (freeze, slow,
+           kill, SIGTERM); reliability
   rollout  a sidecar's canary rollout: where it stands, a new share, the next step
   spec-gate  draft/target n-gram overlap on a prompt set; pass or fail (the 92 % gate)
 
@@ -281,6 +282,8 @@ def _chaos(args: argparse.Namespace) -> int:
 
     plan = chaos.Plan(
         cases=args.cases,
+        http_cases=args.http_cases,
+        tls_cases=args.tls_cases,
         concurrency=args.concurrency,
         streams=args.streams,
         seed=args.seed,
@@ -693,17 +696,21 @@ def _add_tool_commands(commands: Any) -> None:
     health.set_defaults(func=_health)
 
     chaos = commands.add_parser(
-        "chaos", help="fuzz both fronts and fault Triton; print the reliability figures"
+        "chaos", help="fuzz every front and fault Triton; print the reliability figures"
     )
     chaos.add_argument("--model-repo", default="model_repo/cpu", help="Triton model repository")
-    chaos.add_argument("--cases", type=int, default=100_000, help="fuzzed calls to send")
+    chaos.add_argument("--cases", type=int, default=100_000, help="fuzzed gRPC calls to send")
+    chaos.add_argument(
+        "--http-cases", type=int, default=50_000, help="fuzzed calls on the HTTP fronts"
+    )
+    chaos.add_argument("--tls-cases", type=int, default=5_000, help="TLS handshakes, all kinds")
     chaos.add_argument("--concurrency", type=int, default=32, help="calls in flight at once")
     chaos.add_argument("--streams", type=int, default=4, help="streams per fault phase")
     chaos.add_argument("--seed", type=int, default=0, help="hypothesis seed")
     chaos.add_argument(
         "--phase",
         action="append",
-        choices=["fuzz", "freeze", "slow", "kill", "sigterm"],
+        choices=["fuzz", "http", "tls", "freeze", "slow", "kill", "sigterm"],
         help="run only these phases (repeatable)",
     )
     chaos.add_argument("--out", help="results folder (default results/chaos/<time>)")

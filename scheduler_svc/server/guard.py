@@ -83,20 +83,22 @@ class Identity:
     ) -> Principal:
         """The principal of a caller that sent this Authorization value (or none) and holds a
         client certificate with these names (asked only when there is no token)."""
+        # With no credentials configured an Authorization value means nothing, whatever its
+        # scheme: the caller is anonymous (the OpenAI client always sends a token; a gateway
+        # may pass on its own Basic credentials).
+        if self.credentials is None:
+            return self.anonymous
         token = bearer(authorization)
-        # With no credentials configured a token means nothing: the caller is anonymous (the
-        # OpenAI client always sends one, whatever the server).
-        if token is not None and self.credentials is not None:
+        if token is not None:
             found = self.credentials.by_token(token)
             if found is None:
                 raise UnauthenticatedError("the bearer token is not valid")
             return found
-        if self.credentials is not None:
-            names = peer_names()
-            if names:
-                found = self.credentials.by_identity(names)
-                if found is not None:
-                    return found
+        names = peer_names()
+        if names:
+            found = self.credentials.by_identity(names)
+            if found is not None:
+                return found
         return self.anonymous
 
 

@@ -22,8 +22,8 @@ from tritonclient.grpc import service_pb2 as kv
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.testing.certs import Authority
 from scheduler_svc.triton.launcher import TritonServer
-from tests.integration.certs import Authority
 from tests.integration.conftest import CPU_REPO, _start
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually

@@ -18,8 +18,8 @@ import tritonclient.grpc as grpcclient
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.testing.certs import Authority
 from scheduler_svc.triton.launcher import TritonServer
-from tests.integration.certs import Authority
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.test_sidecar import ENGINE, ended_early, useful_tokens

@@ -32,12 +32,13 @@ from scheduler_svc.errors import (
     PermissionDeniedError,
     QuotaExceededError,
     ShuttingDownError,
+    UnauthenticatedError,
 )
 from scheduler_svc.loop import CoreLoop
 from scheduler_svc.runner import runner_for
 from scheduler_svc.server.app import make_scheduler
 from scheduler_svc.server.controls import parse_policy_json
-from scheduler_svc.server.guard import role_for
+from scheduler_svc.server.guard import Identity, role_for
 from scheduler_svc.service import (
     INLINE_PROMPT_CHARS,
     PREFIX_CHARS_PER_TOKEN,
@@ -201,6 +202,21 @@ def test_credentials_match_by_digest_and_never_keep_the_token(tmp_path: Any) -> 
         path.write_text(bad)
         with pytest.raises(ConfigError, match="credentials"):
             Credentials.load(path)
+
+
+def test_an_authorization_value_means_nothing_without_credentials(tmp_path: Any) -> None:
+    nobody = Identity(None, auth.ANONYMOUS_CLIENT)
+    for value in (None, "Bearer sk-anything", "Basic dXNlcjpwdw==", "garbage"):
+        assert nobody.identify_by(value, list) == auth.ANONYMOUS_CLIENT
+    path = tmp_path / "credentials.yaml"
+    path.write_text("tokens: [{name: a, token: long-enough-token-1, roles: [client]}]")
+    strict = Identity(Credentials.load(path), auth.NOBODY)
+    with pytest.raises(UnauthenticatedError, match="expected 'Bearer <token>'"):
+        strict.identify_by("Basic dXNlcjpwdw==", list)
+    with pytest.raises(UnauthenticatedError, match="not valid"):
+        strict.identify_by("Bearer wrong-token-000000", list)
+    found = strict.identify_by("Bearer long-enough-token-1", list)
+    assert found.name == "a"
 
 
 def test_every_admin_method_needs_the_admin_role() -> None:
