@@ -19,8 +19,10 @@ RUN pip install --no-cache-dir -c /tmp/constraints.txt /wheels/*.whl \
 COPY deploy/k8s/overlays/cpu/sidecar.yaml /etc/scheduler-svc/config.yaml
 USER 10001
 EXPOSE 50051 8080 9464
+# Health on the admin listener: on loopback it stays plaintext whatever server.tls says, so the
+# check holds with TLS on the client port too.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-  CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50051"]
+  CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50052"]
 ENTRYPOINT ["scheduler-svc"]
 # 0.0.0.0 within the container's own network (publishing it is `-p`'s decision); Admin stays on
 # the container's loopback. It refuses to start without credentials: mount a credentials file

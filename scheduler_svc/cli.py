@@ -387,11 +387,33 @@ def _model_repo_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _tool_channel(args: argparse.Namespace) -> Any:
+    """The channel a tool (health, drain, rollout) dials: plaintext, or TLS with --ca-file (a
+    client certificate too with --cert-file/--key-file, for a listener that requires one)."""
+    import grpc  # noqa: PLC0415
+
+    if args.ca_file is None:
+        if args.cert_file or args.key_file:
+            raise ConfigError("--cert-file/--key-file need --ca-file (TLS)")
+        return grpc.insecure_channel(args.address)
+    try:
+        roots = Path(args.ca_file).read_bytes()
+        key = Path(args.key_file).read_bytes() if args.key_file else None
+        chain = Path(args.cert_file).read_bytes() if args.cert_file else None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    options = []
+    if args.server_name:
+        options.append(("grpc.ssl_target_name_override", args.server_name))
+    credentials = grpc.ssl_channel_credentials(roots, key, chain)
+    return grpc.secure_channel(args.address, credentials, options)
+
+
 def _health(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _tool_channel(args) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(  # type: ignore[attr-defined]  # the stubs leave Check untyped
@@ -416,7 +438,7 @@ def _drain(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     token = os.environ.get("SCHEDULER_SVC_ADMIN_TOKEN")  # never a flag: argv is public
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with grpc.insecure_channel(args.address) as channel:
+    with _tool_channel(args) as channel:
         admin = pb_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
         try:
             admin.Drain(pb.DrainRequest(), timeout=5, metadata=metadata)
@@ -426,9 +448,12 @@ def _drain(args: argparse.Namespace) -> int:
                     print(f"{args.address}: drained")
                     return 0
                 time.sleep(0.5)
-        except grpc.RpcError as exc:  # gone already, or never there: nothing to wait for
-            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 0 if exc.code() == grpc.StatusCode.UNAVAILABLE else 1
+        except grpc.RpcError as exc:  # nothing drained: a wrong address, or no sidecar there
+            print(
+                f"{args.address}: nothing drained: {exc.code().name}: {exc.details()}",
+                file=sys.stderr,
+            )
+            return 1
     print(f"{args.address}: still busy after {args.timeout:g} s", file=sys.stderr)
     return 1
 
@@ -442,7 +467,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
     token = os.environ.get("SCHEDULER_SVC_ADMIN_TOKEN")  # never a flag: argv is public
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with grpc.insecure_channel(args.address) as channel:
+    with _tool_channel(args) as channel:
         admin = pb_grpc.AdminStub(channel)  # type: ignore[no-untyped-call]
         try:
             if args.action == "set":
@@ -508,6 +533,14 @@ def _spec_gate(args: argparse.Namespace) -> int:
         specgate.write_result(result, Path(args.out))
         print(f"wrote {args.out}")
     return 0 if result.passed else 1
+
+
+def _tls_flags(cmd: argparse.ArgumentParser) -> None:
+    """A tool's TLS to the sidecar (an admin listener on loopback is always plaintext)."""
+    cmd.add_argument("--ca-file", help="TLS: the CA that signed the sidecar's certificate")
+    cmd.add_argument("--cert-file", help="TLS: a client certificate (a listener requiring one)")
+    cmd.add_argument("--key-file", help="TLS: its private key")
+    cmd.add_argument("--server-name", help="TLS: the name to expect in the sidecar's certificate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -691,6 +724,7 @@ def _add_tool_commands(commands: Any) -> None:
 
     health = commands.add_parser("health", help="exit 0 if a sidecar's gRPC health is SERVING")
     health.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the sidecar")
+    _tls_flags(health)
     health.add_argument("--service", default="", help="service name ('' is the whole server)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
     health.set_defaults(func=_health)
@@ -720,6 +754,7 @@ def _add_tool_commands(commands: Any) -> None:
         "drain", help="drain a sidecar (admin listener) and wait until it is idle; for preStop"
     )
     drain.add_argument("--address", default="127.0.0.1:50052", help="the admin listener")
+    _tls_flags(drain)
     drain.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most")
     drain.set_defaults(func=_drain)
 
@@ -730,6 +765,7 @@ def _add_rollout_commands(commands: Any) -> None:
         "rollout", help="show or change a sidecar's canary rollout (admin listener)"
     )
     rollout.add_argument("--address", default="127.0.0.1:50052", help="the admin listener")
+    _tls_flags(rollout)
     actions = rollout.add_subparsers(dest="action")
     actions.add_parser("status", help="where the rollout stands (the default)")
     weight = actions.add_parser("set", help="give the candidate a share of the traffic")

@@ -503,6 +503,12 @@ class SpecGateSection(_Frozen):
     check_interval_s: float = Field(
         30.0, gt=0, le=3600, description="How often the result file is read again."
     )
+    max_age_s: float | None = Field(
+        7 * 86400.0,
+        gt=0,
+        description="A result measured longer ago than this closes the gate (re-run the gate "
+        "when either model changes); null: any age.",
+    )
 
 
 class SidecarConfig(_Frozen):

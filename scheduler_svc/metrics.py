@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -31,6 +31,7 @@ from scheduler_svc.core.types import BatchInfo, SchedulerStats
 
 if TYPE_CHECKING:
     from scheduler_svc.backends.groups import GroupView, RolloutView
+    from scheduler_svc.config import ServerTls
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -395,10 +396,22 @@ def _kv(stats: SchedulerStats) -> Iterator[Metric]:
 class MetricsServer:
     """prometheus-client's HTTP server on our registry; `close` stops it."""
 
-    def __init__(self, metrics: SidecarMetrics, host: str, port: int) -> None:
+    def __init__(
+        self, metrics: SidecarMetrics, host: str, port: int, tls: ServerTls | None = None
+    ) -> None:
+        """`tls`: the client port's files, read once here (a reload does not reach this
+        listener; restart to rotate its certificate)."""
         self._server: WSGIServer
         self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, host, metrics.registry)
+        files: dict[str, Any] = {}
+        if tls is not None:
+            files = {
+                "certfile": tls.cert_file,
+                "keyfile": tls.key_file,
+                "client_cafile": tls.client_ca_file,
+                "client_auth_required": tls.require_client_cert,
+            }
+        self._server, self._thread = start_http_server(port, host, metrics.registry, **files)
         self.port = int(self._server.server_port)
 
     def close(self) -> None:

@@ -102,6 +102,25 @@ def write_result(result: GateResult, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def check_age(result: GateResult, max_age_s: float | None, now: datetime) -> None:
+    """ValueError when the result was measured more than `max_age_s` before `now` (or says
+    a time that cannot be read, or one in the future)."""
+    if max_age_s is None:
+        return
+    try:
+        measured = datetime.fromisoformat(result.at)
+    except (TypeError, ValueError):
+        raise ValueError(f"the result's time {result.at!r} is not an ISO 8601 time") from None
+    if measured.tzinfo is None:
+        measured = measured.replace(tzinfo=UTC)
+    age = (now - measured).total_seconds()
+    if not -300 <= age <= max_age_s:
+        raise ValueError(
+            f"the result was measured at {result.at}, {age / 3600:.1f} h ago; the gate trusts "
+            f"one up to {max_age_s / 3600:.1f} h old (spec_gate.max_age_s): run it again"
+        )
+
+
 def read_result(path: str | Path) -> GateResult:
     """The gate result in `path`; ValueError says what is wrong with it."""
     try:

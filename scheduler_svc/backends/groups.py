@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 
 import grpc
 import structlog
@@ -24,7 +25,7 @@ import structlog
 from scheduler_svc.backends.base import Backend, EngineProfile, GenerationInput, Tokens
 from scheduler_svc.config import SpecGateSection
 from scheduler_svc.core.routing import Event, Router
-from scheduler_svc.specgate import GateResult, read_result
+from scheduler_svc.specgate import GateResult, check_age, read_result
 
 log = structlog.get_logger("scheduler_svc.backends.groups")
 
@@ -333,6 +334,7 @@ class RolloutWatch:
         router = self.backend.router
         try:
             result = read_result(self.gate.result_file)
+            check_age(result, self.gate.max_age_s, datetime.now(UTC))
         except ValueError as exc:
             if str(exc) != self._gate_error:
                 log.warning("speculative-decoding gate closed", reason=str(exc))

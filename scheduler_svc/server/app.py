@@ -57,6 +57,7 @@ from scheduler_svc.server import kserve, scheduler_v1
 from scheduler_svc.server.controls import SidecarControls
 from scheduler_svc.server.guard import Guard, Identity
 from scheduler_svc.server.http import HttpFront
+from scheduler_svc.server.probes import BoundedHealth
 from scheduler_svc.service import DEFAULT_TEXT_MODEL, GenerationService
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -119,7 +120,7 @@ class Sidecar:
         metrics.init_lanes(lanes)
         self.loop = CoreLoop(scheduler, metrics=metrics)
         self.service = GenerationService(cfg, load_tokenizer(cfg.model.tokenizer_dir), self.loop)
-        self.health = health.aio.HealthServicer()
+        self.health = BoundedHealth()
         self.profile: EngineProfile | None = None
         self._text_model_found = False
         self.controls = SidecarControls(
@@ -331,7 +332,7 @@ class Sidecar:
             )
         if server_cfg.metrics_port is not None:
             self.metrics = MetricsServer(
-                self.loop.metrics, server_cfg.host, server_cfg.metrics_port
+                self.loop.metrics, server_cfg.host, server_cfg.metrics_port, server_cfg.tls
             )
         log.info(
             "sidecar ready",

@@ -204,8 +204,12 @@ class _Call:
                 "is not UTF-8?)"
             ) from None
 
-    async def _requests(self, raws: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    async def _requests(self, raws: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+        """A client stream's messages; each is admitted again against the credentials loaded
+        last, so a credential revoked by a reload (SIGHUP) ends a stream at its next message
+        rather than when the connection ages out."""
         async for raw in raws:
+            self._admit(context)
             yield self._request(raw)
 
     async def _fail(self, context: Context, exc: BaseException) -> None:
@@ -245,7 +249,7 @@ class _Call:
 
     async def stream_unary(self, raws: AsyncIterator[bytes], context: Context) -> Any:
         return await self._guarded(
-            context, lambda: self.handler.stream_unary(self._requests(raws), context)
+            context, lambda: self.handler.stream_unary(self._requests(raws, context), context)
         )
 
     async def unary_stream(self, raw: bytes, context: Context) -> None:
@@ -257,7 +261,9 @@ class _Call:
     async def stream_stream(self, raws: AsyncIterator[bytes], context: Context) -> None:
         await self._guarded(
             context,
-            lambda: self._pipe(self.handler.stream_stream(self._requests(raws), context), context),
+            lambda: self._pipe(
+                self.handler.stream_stream(self._requests(raws, context), context), context
+            ),
         )
 
     async def _pipe(self, answers: Any, context: Context) -> None:

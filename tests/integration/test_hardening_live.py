@@ -122,6 +122,42 @@ def test_credentials_decide_the_tenant_and_the_role_on_every_front(
     assert not any(CLIENT_TOKEN in line or ADMIN_TOKEN in line for line in guarded.lines)
 
 
+def test_a_revoked_credential_ends_an_open_stream_at_its_next_message(
+    guarded: SidecarProcess, tmp_path: Path
+) -> None:
+    request = kv.ModelInferRequest(model_name="ensemble", id="before")
+    for item in make_inputs(text_request("hello", 2)):
+        request.inputs.append(item._get_tensor())
+        request.raw_input_contents.append(item._get_content())
+    later = kv.ModelInferRequest()
+    later.CopyFrom(request)
+    later.id = "after"
+    sent: list[bytes] = [request.SerializeToString()]
+    go_on = threading.Event()
+
+    def messages() -> Iterator[bytes]:
+        yield sent[0]
+        go_on.wait(30)
+        yield later.SerializeToString()
+
+    call = guarded.channel().stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        response_deserializer=kv.ModelStreamInferResponse.FromString,
+    )(messages(), metadata=bearer(CLIENT_TOKEN), timeout=60)
+    first = next(call)
+    assert first.infer_response.id == "before" and not first.error_message
+    # The client's token leaves the file; the reload takes it away from the open stream too.
+    creds = tmp_path / "credentials.yaml"
+    creds.write_text(f"tokens:\n  - {{name: ops, token: {ADMIN_TOKEN}, roles: [admin]}}\n")
+    guarded.signal(signal.SIGHUP)
+    guarded.wait_for_events("credentials and TLS reloaded", lambda e: len(e) >= 1)
+    go_on.set()
+    with pytest.raises(grpc.RpcError) as caught:
+        rest = list(call)
+        assert not rest
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_narrowed_tenants_share_their_parents_quota_and_anonymous_cannot_take_one(
     triton: TritonServer, tmp_path: Path
 ) -> None:
@@ -205,6 +241,18 @@ def test_mtls_identities_and_certificates_reloaded_on_sighup(
             lambda: pb_grpc.AdminStub(sidecar.channel()).GetStats(pb.GetStatsRequest(), timeout=5)
         )
         assert code == grpc.StatusCode.UNAVAILABLE  # plaintext is not served at all
+
+        def tool(*extra: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "scheduler_svc.cli", *extra]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+        tls_flags = ["--ca-file", str(ca.pair.cert), "--server-name", "localhost"]
+        cert_flags = ["--cert-file", str(ops.cert), "--key-file", str(ops.key)]
+        checked = tool("health", "--address", sidecar.url, *tls_flags, *cert_flags)
+        assert checked.returncode == 0 and "SERVING" in checked.stdout, checked.stderr
+        assert tool("health", "--address", sidecar.url).returncode == 1  # plaintext: refused
+        shown = tool("rollout", "--address", sidecar.url, *tls_flags, *cert_flags, "status")
+        assert "UNAVAILABLE" not in shown.stderr  # spoke TLS (this sidecar has no rollout)
         # A new CA and server certificate, swapped in place and reloaded by SIGHUP.
         (tmp_path / "two").mkdir()
         ca_two = Authority(tmp_path / "two", "ca-two")
@@ -491,6 +539,14 @@ def test_drain_command_drains_over_the_admin_listener_and_waits(
             check=False,
         )
         assert drain.returncode == 0 and "drained" in drain.stdout, drain.stderr
+        nowhere = subprocess.run(
+            [sys.executable, "-m", "scheduler_svc.cli", "drain", "--address", "127.0.0.1:9"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert nowhere.returncode == 1 and "nothing drained" in nowhere.stderr  # was exit 0
         rest = list(stream)  # the running request finished before the command returned
         assert rest[-1].usage.completion_tokens == 40
         stats = sidecar.admin().GetStats(pb.GetStatsRequest())

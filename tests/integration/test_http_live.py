@@ -338,7 +338,7 @@ def test_https_with_a_client_certificate_as_the_credential(
         "key_file": str(server.key),
         "client_ca_file": str(ca.pair.cert),
     }
-    config = {"server": {"tls": tls}, "auth": {"credentials_file": str(creds)}}
+    config = {"server": {"tls": tls, "metrics_port": 0}, "auth": {"credentials_file": str(creds)}}
     sidecar = SidecarProcess(triton.grpc_url, tmp_path, config).start()
 
     def context(client: Any) -> ssl.SSLContext:
@@ -374,5 +374,11 @@ def test_https_with_a_client_certificate_as_the_credential(
                 pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=10
             )
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The metrics listener serves the same TLS (it was plaintext whatever server.tls said).
+        metrics_port = sidecar.events("sidecar ready")[0]["metrics_port"]
+        page = httpx.get(f"https://127.0.0.1:{metrics_port}/metrics", verify=context(None))
+        assert page.status_code == 200 and "scheduler_svc_" in page.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
     finally:
         sidecar.stop()

@@ -432,7 +432,7 @@ def test_the_sidecar_image_is_slim_non_root_and_health_checked() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in text
     assert re.search(r"^USER 10001$", text, re.M)
-    assert 'CMD ["scheduler-svc", "health"' in text
+    assert 'CMD ["scheduler-svc", "health", "--address", "127.0.0.1:50052"]' in text  # plaintext
 
 
 def _served(command: list[str]) -> Any:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from scheduler_svc.core.routing import (
     share_of,
 )
 from scheduler_svc.errors import ConfigError
-from scheduler_svc.specgate import judge, overlap, read_result, write_result
+from scheduler_svc.specgate import check_age, judge, overlap, read_result, write_result
 from scheduler_svc.testing.backend import ScriptedBackend
 
 GROUPS = ("main", "candidate", "fp16", "spec")
@@ -271,6 +273,17 @@ def test_gate_result_round_trip_and_the_watch(tmp_path: Path) -> None:
     watch = RolloutWatch(backend, gate, views.append)
     watch.step()
     assert router.gate_passed and views[-1].gate_passed and views[-1].gate_overlap["4"] == 1.0
+    # Measured too long ago: the gate closes (before, any age was trusted).
+    stale = dataclasses.replace(result, at="2020-01-01T00:00:00+00:00")
+    write_result(stale, path)
+    watch.read_gate()
+    assert not router.gate_passed
+    with pytest.raises(ValueError, match=r"spec_gate\.max_age_s"):
+        check_age(stale, gate.max_age_s, datetime.now(UTC))
+    check_age(stale, None, datetime.now(UTC))  # null: any age
+    write_result(result, path)
+    watch.read_gate()
+    assert router.gate_passed
     path.write_text(json.dumps({"passed": "yes"}))
     watch.read_gate()
     assert not router.gate_passed  # unreadable: the gate closes
