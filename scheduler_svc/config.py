@@ -351,6 +351,13 @@ class ServerConfig(_Frozen):
         le=3600,
         description="How long a streamed answer may wait for a client that stopped reading.",
     )
+    read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long the HTTP fronts wait for a request's whole body (a client that "
+        "sends it slowly holds a connection no longer); then 408.",
+    )
     max_stream_requests: int = Field(
         64,
         ge=1,

@@ -2,7 +2,8 @@
 
 Both run on the sidecar's event loop (aiohttp) and hand every request to the one
 `GenerationService`, with the same validation, lanes, credentials and quotas as the gRPC
-fronts. Bodies are bounded (`server.max_message_bytes`, 413 beyond); a streamed answer is
+fronts. Bodies are bounded in size (`server.max_message_bytes`, 413 beyond) and in time
+(`server.read_timeout_s`, 408 beyond); a streamed answer is
 written through the response's drain, so a slow reader holds up only its own request, and one
 that reads nothing for `server.write_timeout_s` is cut off. A client that disconnects cancels
 its handler: the request leaves the queue or is cancelled inside Triton.
@@ -57,6 +58,7 @@ _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "cancelled",
@@ -248,7 +250,14 @@ class HttpFront:
         return exc.reason
 
     async def _json(self, request: web.Request) -> object:
-        raw = await request.read()  # bounded by client_max_size: 413 beyond
+        limit = self.cfg.server.read_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                raw = await request.read()  # bounded by client_max_size: 413 beyond
+        except TimeoutError:
+            raise _HttpRefusedError(
+                408, f"the request body did not arrive within {limit:g} s (server.read_timeout_s)"
+            ) from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:

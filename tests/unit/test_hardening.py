@@ -665,6 +665,33 @@ class _Handler:
     request_deserializer = None
 
 
+def test_an_http_body_that_arrives_slowly_is_cut_off_after_the_read_timeout() -> None:
+    from scheduler_svc.chat import PLAIN, ChatTemplate  # noqa: PLC0415
+    from scheduler_svc.server.http import HttpFront  # noqa: PLC0415
+
+    async def body(service: GenerationService, loop: CoreLoop) -> None:
+        front = HttpFront(
+            service, lambda: Identity(None, auth.ANONYMOUS_CLIENT), ChatTemplate(PLAIN, "plain")
+        )
+        port = await front.start("127.0.0.1", 0, None)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"model": '  # and then nothing more
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4096), 10)
+            writer.close()
+        finally:
+            await front.close()
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.endswith(b"408 Request Timeout"), answer
+        assert b"did not arrive within 0.2 s (server.read_timeout_s)" in rest
+
+    serve(ScriptedBackend(), body, {"server": {"read_timeout_s": 0.2}})
+
+
 def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
     from tritonclient.grpc import service_pb2 as kv  # noqa: PLC0415
 
