@@ -36,6 +36,7 @@ from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.backends.base import GenerationInput
 from scheduler_svc.backends.triton import build_request, is_final, output_ids
 from scheduler_svc.bench.plan import (
+    BUDGET_TARGETS,
     DEFAULTS_TARGET,
     LANES,
     SMART_BATCHING,
@@ -193,6 +194,9 @@ def sidecar_config(
         "queue": {"scheduler": scheduler, "max_in_flight": MAX_SEQUENCES},
     }
     if target == DEFAULTS_TARGET:  # make run's: the core's defaults, A100 timers
+        return config
+    if target in BUDGET_TARGETS:  # make run's with another prefill budget
+        config["policy"] = {"prefill_budget_tokens": BUDGET_TARGETS[target]}
         return config
     if scheduler == "policy":
         ratio, timeout = SMART_BATCHING[target]

@@ -34,6 +34,8 @@ TARGET_NAMES = {
     "policy_1.2_80": "sidecar policy 1.2 / 80 ms",
     "policy_defaults": "sidecar policy, make run's timers",
     "policy_summed": "sidecar policy, KV by summed reservations",
+    "policy_budget_off": "make run's sidecar, no prefill budget",
+    "policy_budget_4steps": "make run's sidecar, prefill budget 4 steps",
 }
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
@@ -41,6 +43,9 @@ SUMMED_TARGET = "policy_summed"
 # The policy with `make run`'s settings: the core's defaults, the source document's A100 lane
 # timers (hot 100 ms, warm 500 ms), not rescaled to this engine. Run where a plan says.
 DEFAULTS_TARGET = "policy_defaults"
+# make run's policy with its prefill budget (`policy.prefill_budget_tokens`) changed: none, and
+# four of the engine's steps (the default is two). The budget plan runs them beside it.
+BUDGET_TARGETS: dict[str, int | None] = {"policy_budget_off": None, "policy_budget_4steps": 1024}
 # QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
 # MAX_REFUSED of its requests was refused or failed (core/slo.py: the rule everything uses).
 LANES = ("hot", "warm", "cold")
@@ -265,7 +270,24 @@ DEADLINE = Plan(
     step_targets=("triton", DEFAULTS_TARGET),
     warmup_requests=32,
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE)}
+# The prefill budget's cost and worth below saturation on the in-flight engine (issue 28's 8:1
+# warm lane): make run's sidecar with its budget, without one and with twice it, against
+# Triton alone on the same arrivals; each step twice over with fresh arrivals (~15 min).
+BUDGET = Plan(
+    "budget",
+    ("inflight",),
+    tuple(
+        _grid("inflight", ["spread_8to1", "mixed"], [0.6, 0.9])
+        + _grid("inflight", ["spread_8to1", "mixed"], [0.6, 0.9])
+    ),
+    duration_s=30.0,
+    burst_s=2.0,
+    calibrate_s=8.0,
+    deadline_s=30.0,
+    overhead_rounds=0,
+    step_targets=("triton", DEFAULTS_TARGET, *BUDGET_TARGETS),
+)
+PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET)}
 
 
 def lane_of(prompt_tokens: int) -> str:

@@ -211,6 +211,28 @@ def test_make_runs_timers_run_beside_the_slo_scaled_policy_where_the_plan_says()
     assert scaled["policy"]["lanes"][0]["queue_timeout_s"] == 0.25
 
 
+def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed() -> None:
+    from scheduler_svc.backends.base import Batching, EngineProfile  # noqa: PLC0415
+    from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
+
+    assert bp.BUDGET.targets(bp.BUDGET.steps[0]) == (
+        "triton",
+        bp.DEFAULTS_TARGET,
+        *bp.BUDGET_TARGETS,
+    )
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    engine = EngineProfile(Batching.INFLIGHT, 16, max_num_sequences=16, max_num_tokens=256)
+    budgets = {}
+    for target in (bp.DEFAULTS_TARGET, *bp.BUDGET_TARGETS):
+        cfg = SidecarConfig.model_validate(live.sidecar_config("inflight", target, "http://m", slo))
+        budgets[target] = cfg.policy_for_engine(cfg.policy_config(), engine).prefill_budget_tokens
+    assert budgets == {
+        bp.DEFAULTS_TARGET: 512,  # two of the engine's steps
+        "policy_budget_off": None,
+        "policy_budget_4steps": 1024,
+    }
+
+
 def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
     results = _results()
     for r in results["runs"]:
