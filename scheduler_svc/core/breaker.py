@@ -19,7 +19,6 @@ class Breaker:
         self.config = config
         self.is_open = False
         self.opened_at = 0.0
-        self.times_opened = 0
         self._credit = 0.0
 
     def update(self, backlog: int, now: float, late: bool = False) -> bool:
@@ -28,7 +27,6 @@ class Breaker:
         cfg = self.config
         if not self.is_open and (backlog > cfg.open_above or late):
             self.is_open, self.opened_at, self._credit = True, now, 0.0
-            self.times_opened += 1
             return True
         settled = backlog < cfg.close_below and not late
         if self.is_open and settled and now - self.opened_at >= cfg.min_open_s:

@@ -56,7 +56,6 @@ class Entry:
 @dataclass(eq=False)
 class Bucket:
     bucket_id: int
-    opened_at: float
     members: list[Entry] = field(default_factory=list)
     ready: bool = False
     urgent: bool = False
@@ -87,9 +86,6 @@ class Bucket:
     def min_tag(self) -> float:
         return min(e.tag for e in self.members)
 
-    def oldest_enqueue(self) -> float:
-        return min(e.enqueued_at for e in self.members)
-
 
 class LaneQueue:
     """The buckets of one lane."""
@@ -110,7 +106,7 @@ class LaneQueue:
 
     # -- arrivals ----------------------------------------------------------------------------
 
-    def add(self, entry: Entry, now: float) -> Bucket:
+    def add(self, entry: Entry) -> Bucket:
         """Queue an entry: tag it for tenant fairness, put it in a bucket. Returns the bucket."""
         # Fair between root tenants: sub-tenants (`team-a/...`) share their root's tag.
         tenant = entry.request.tenant.partition("/")[0]
@@ -120,7 +116,7 @@ class LaneQueue:
         self.entries[entry.request_id] = entry
         bucket = self._best_bucket(entry.prompt_tokens)
         if bucket is None:
-            bucket = Bucket(next(self._ids), now)
+            bucket = Bucket(next(self._ids))
             self._filling.append(bucket)
         bucket.join(entry)
         entry.bucket = bucket

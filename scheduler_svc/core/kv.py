@@ -162,9 +162,6 @@ class BlockMirror:
     def overcommit_blocks(self) -> int:
         return max(0, self.used_blocks - self.total_blocks)
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._held
-
     def held(self) -> dict[str, int]:
         """Blocks reserved per request id (a copy)."""
         return {rid: r.blocks for rid, r in self._held.items()}

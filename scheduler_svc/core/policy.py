@@ -387,7 +387,7 @@ class PolicyScheduler:
 
     def _enqueue(self, lane: str, entry: Entry, now: float) -> None:
         queue = self.lanes[lane]
-        bucket = queue.add(entry, now)
+        bucket = queue.add(entry)
         self._queued[entry.request_id] = (lane, entry)
         self._queued_tokens[lane] += entry.cost_tokens
         if self.config.continuous_batching:

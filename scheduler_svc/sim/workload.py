@@ -51,7 +51,6 @@ class SimRequest:
 
 
 CHAT = RequestClass(1.0, 128, 16, 255, 128, 512, 0)
-LONG = RequestClass(1.0, 1500, 1024, 4000, 256, 512, 2, spread=0.35)
 DOC = RequestClass(1.0, 3856, 2048, 7000, 256, 512, 2, spread=0.25)
 
 SCENARIOS: dict[str, Scenario] = {
