@@ -276,10 +276,7 @@ DEADLINE = Plan(
 BUDGET = Plan(
     "budget",
     ("inflight",),
-    tuple(
-        _grid("inflight", ["spread_8to1", "mixed"], [0.6, 0.9])
-        + _grid("inflight", ["spread_8to1", "mixed"], [0.6, 0.9])
-    ),
+    tuple(2 * _grid("inflight", ["spread_8to1", "mixed"], [0.6, 0.9])),
     duration_s=30.0,
     burst_s=2.0,
     calibrate_s=8.0,

@@ -11,6 +11,10 @@ its handler: the request leaves the queue or is cancelled inside Triton.
 A streamed answer starts only once the first text is ready, so a refusal still gets its HTTP
 status (400 / 401 / 404 / 429 with Retry-After / 503 ...); an error after that comes in-band
 as a last `data: {"error": ...}` event.
+
+Over 500 lines on purpose until the layout issue (30) splits the fronts' shared presentation
+(collecting a stream, holding deltas, the internal-error answer) out of each front; the OpenAI
+shapes already live in server/openai.py.
 """
 
 from __future__ import annotations
