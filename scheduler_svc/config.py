@@ -638,7 +638,8 @@ class SidecarConfig(_Frozen):
         it runs at once; an in-flight engine batches continuously with no batch limit, its
         lanes' TTFT targets follow the engine's step cost where it states one (core/slo.py's
         rule), and the later lanes' unprefilled prompt tokens stay within a budget from that
-        cost or two steps' max_num_tokens (`prefill_budget_tokens()`). A static engine
+        cost or two steps' max_num_tokens (`prefill_budget_tokens()`; none where the engine
+        chunks prompts by equal_progress). A static engine
         refuses a request with more rows than it runs (max_num_sequences) or than a request
         may carry (max_batch_size), so its rows in flight are capped there; an in-flight
         engine merely queues what it cannot run yet.
@@ -680,7 +681,9 @@ class SidecarConfig(_Frozen):
         if "prefill_budget_tokens" not in self.policy and not static:
             # From the engine's cost per prompt token where it says, else two of its steps.
             tightest = min(lane.ttft_target_s for lane in lanes)
-            budget = prefill_budget_tokens(tightest, engine.prompt_token_s(), engine.max_num_tokens)
+            budget = prefill_budget_tokens(
+                tightest, engine.prompt_token_s(), engine.max_num_tokens, engine.context_chunking
+            )
             if budget is not None:
                 changes["prefill_budget_tokens"] = budget
         if static:

@@ -38,6 +38,9 @@ class EngineProfile:
     # Whether the engine reserves prompt + max_tokens when it admits a sequence (TensorRT-LLM's
     # guaranteed_no_evict, its default) rather than allocating as tokens come (max_utilization).
     reserves_max_tokens: bool = True
+    # How prompts in their context phase share a step, where the engine chunks them
+    # (TensorRT-LLM's context_chunking_policy; None: it does not chunk, or does not say).
+    context_chunking: str | None = None
     # What an engine step costs, where the engine says (an emulated engine's cost profile),
     # and the factor its steps are slowed by; lane targets and the prefill budget follow it.
     step_cost: CostProfile | None = None

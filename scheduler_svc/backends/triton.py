@@ -303,6 +303,15 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
     policy = config.parameters.get("batch_scheduler_policy")
     # TensorRT-LLM's default is guaranteed_no_evict; an unfilled template value reads as it.
     allocates_as_it_goes = policy is not None and policy.string_value == "max_utilization"
+    chunked = config.parameters.get("enable_chunked_context")
+    chunking = config.parameters.get("context_chunking_policy")
+    # TensorRT-LLM's default policy is first_come_first_served; an unfilled template value
+    # (`${...}`) reads as it.
+    chunk_policy = (
+        chunking.string_value
+        if chunking is not None and not chunking.string_value.startswith("$")
+        else "first_come_first_served"
+    )
     return EngineProfile(
         batching=batching,
         max_batch_size=max(1, config.max_batch_size),
@@ -311,6 +320,11 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         max_num_tokens=_int_parameter(config, "max_num_tokens"),
         kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
         reserves_max_tokens=not allocates_as_it_goes,
+        context_chunking=(
+            chunk_policy
+            if chunked is not None and chunked.string_value.lower() == "true"
+            else None
+        ),
         **_step_cost(config),
     )
 

@@ -161,7 +161,10 @@ def make_scheduler(
         )
         lanes = tuple(replace(lane, ttft_target_s=targets[lane.name]) for lane in default_lanes())
         budget = prefill_budget_tokens(
-            min(lane.ttft_target_s for lane in lanes), cost.per_prompt_token_s, cost.max_num_tokens
+            min(lane.ttft_target_s for lane in lanes),
+            cost.per_prompt_token_s,
+            cost.max_num_tokens,
+            cost.context_chunking_policy,  # the simulated engine always chunks
         )
         return PolicyScheduler(
             PolicyConfig(

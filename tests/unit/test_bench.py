@@ -221,15 +221,21 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
         *bp.BUDGET_TARGETS,
     )
     slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
-    engine = EngineProfile(Batching.INFLIGHT, 16, max_num_sequences=16, max_num_tokens=256)
+    # The CPU engine: 256-token steps, prompts chunked by equal_progress.
+    engine = EngineProfile(
+        Batching.INFLIGHT,
+        16,
+        max_num_sequences=16,
+        max_num_tokens=256,
+        context_chunking="equal_progress",
+    )
     budgets = {}
     for target in (bp.DEFAULTS_TARGET, *bp.BUDGET_TARGETS):
         cfg = SidecarConfig.model_validate(live.sidecar_config("inflight", target, "http://m", slo))
         budgets[target] = cfg.policy_for_engine(cfg.policy_config(), engine).prefill_budget_tokens
     assert budgets == {
-        bp.DEFAULTS_TARGET: 512,  # two of the engine's steps
-        "policy_budget_off": None,
-        "policy_budget_4steps": 1024,
+        bp.DEFAULTS_TARGET: None,  # equal_progress: the engine shares each step itself
+        "policy_budget_2steps": 512,  # two of the engine's steps, pinned
     }
 
 

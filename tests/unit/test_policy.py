@@ -320,6 +320,12 @@ def test_the_prefill_budget_follows_the_engines_cost_per_prompt_token() -> None:
     assert prefill_budget_tokens(0.25, 24.4e-6, 1024) == 2048  # at most two steps
     assert prefill_budget_tokens(0.25, None, 256) == 512  # unknown cost: two steps
     assert prefill_budget_tokens(0.25, None, None) is None
+    # equal_progress chunking gives a short prompt its share of every step: a budget only
+    # where one step's prompt work costs more than the share of the target.
+    assert prefill_budget_tokens(0.25, 24.4e-6, 8192, "equal_progress") == 2561
+    assert prefill_budget_tokens(0.25, 24.4e-6, 2048, "equal_progress") is None
+    assert prefill_budget_tokens(0.25, None, 256, "equal_progress") is None  # unknown cost
+    assert prefill_budget_tokens(0.25, None, 256, "first_come_first_served") == 512
 
 
 def test_hot_timeout_degrades_to_the_fallback_backend_or_a_shorter_answer() -> None:

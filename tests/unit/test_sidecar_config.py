@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,16 @@ def test_the_engine_profile_is_read_from_the_models_config() -> None:
     assert profile.reserves_max_tokens
     config.parameters["batch_scheduler_policy"].string_value = "max_utilization"
     assert not profile_from_config(config, "auto").reserves_max_tokens
+    # How a chunking engine shares a step between prompts: TensorRT-LLM's default where the
+    # config leaves it unrendered, nothing where the engine does not chunk.
+    assert profile.context_chunking is None
+    config.parameters["enable_chunked_context"].string_value = "true"
+    config.parameters["context_chunking_policy"].string_value = "${context_chunking_policy}"
+    assert profile_from_config(config, "auto").context_chunking == "first_come_first_served"
+    config.parameters["context_chunking_policy"].string_value = "equal_progress"
+    assert profile_from_config(config, "auto").context_chunking == "equal_progress"
+    config.parameters["enable_chunked_context"].string_value = "false"
+    assert profile_from_config(config, "auto").context_chunking is None
 
 
 def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them() -> None:
@@ -99,6 +110,12 @@ def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them(
     assert flowing.prefill_budget_tokens is None  # the engine did not say its step budget
     stepped = EngineProfile(Batching.INFLIGHT, max_batch_size=64, max_num_tokens=512)
     assert cfg.policy_for_engine(base, stepped).prefill_budget_tokens == 1024  # two steps
+    # An engine that shares each step equally between prompts needs no budget; one that
+    # serves them first come first served does.
+    equal = replace(stepped, context_chunking="equal_progress")
+    assert cfg.policy_for_engine(base, equal).prefill_budget_tokens is None
+    fcfs = replace(stepped, context_chunking="first_come_first_served")
+    assert cfg.policy_for_engine(base, fcfs).prefill_budget_tokens == 1024
     assert held.prefill_budget_tokens is None  # a static engine prefills whole batches
     pinned = load_config(None, {"policy": {"max_batches_in_flight": 2}})
     assert pinned.policy_for_engine(pinned.policy_config(), static).max_batches_in_flight == 2
