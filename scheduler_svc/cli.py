@@ -640,9 +640,9 @@ def _add_bench_command(commands: Any) -> None:
         default=None,
         help="on the CPU engine: full (the default: every mix, load and QPS-at-SLO search), "
         "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "
-        "under KV pressure), deadline (issue 28's targets), budget (make run's prefill budget "
-        "against none and twice it); with --engine-profile: agree (the default: the simulator "
-        "against the live stack) or document (the source document's table on the profile)",
+        "under KV pressure), deadline (issue 28's targets), budget (make run's sidecar against "
+        "a pinned two-step prefill budget); with --engine-profile: agree (the default: the "
+        "simulator against the live stack) or document (the source document's table on the profile)",
     )
     bench.add_argument(
         "--engine-profile",
