@@ -642,7 +642,8 @@ def _add_bench_command(commands: Any) -> None:
         "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "
         "under KV pressure), deadline (issue 28's targets), budget (make run's sidecar against "
         "a pinned two-step prefill budget); with --engine-profile: agree (the default: the "
-        "simulator against the live stack) or document (the source document's table on the profile)",
+        "simulator against the live stack) or document (the source document's table on the "
+        "profile)",
     )
     bench.add_argument(
         "--engine-profile",
