@@ -321,9 +321,7 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
         reserves_max_tokens=not allocates_as_it_goes,
         context_chunking=(
-            chunk_policy
-            if chunked is not None and chunked.string_value.lower() == "true"
-            else None
+            chunk_policy if chunked is not None and chunked.string_value.lower() == "true" else None
         ),
         **_step_cost(config),
     )
