@@ -36,6 +36,7 @@ TARGET_NAMES = {
     "policy_summed": "sidecar policy, KV by summed reservations",
     "policy_budget_off": "make run's sidecar, no prefill budget",
     "policy_budget_4steps": "make run's sidecar, prefill budget 4 steps",
+    "policy_budget_2steps": "make run's sidecar, prefill budget 2 steps",
 }
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.

@@ -230,6 +230,7 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
         context_chunking="equal_progress",
     )
     budgets = {}
+    assert all(t in bp.TARGET_NAMES for t in bp.BUDGET.targets(bp.BUDGET.steps[0]))
     for target in (bp.DEFAULTS_TARGET, *bp.BUDGET_TARGETS):
         cfg = SidecarConfig.model_validate(live.sidecar_config("inflight", target, "http://m", slo))
         budgets[target] = cfg.policy_for_engine(cfg.policy_config(), engine).prefill_budget_tokens
