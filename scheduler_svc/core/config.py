@@ -271,6 +271,42 @@ class AdmissionConfig:
         _check(0.1 <= self.margin <= 100, "admission.margin", "must be in [0.1, 100]")
 
 
+# Tenants given a weight of their own; any other weighs `default_weight`.
+MAX_WEIGHTED_TENANTS = 10_000
+
+
+@dataclass(frozen=True)
+class FairnessConfig:
+    """Work-weighted fair sharing between tenants within a lane (core/bucketing.py's tags).
+
+    A tenant is its root name (`team-a/x` counts as `team-a`). Each lane serves tenants in order
+    of start-time fair tags spaced by each request's work (prompt + predicted output tokens)
+    over the tenant's weight; admission predicts a request's wait from its own tag, and a full
+    lane pushes out the newest request of the tenant furthest over its share."""
+
+    enabled: bool = True
+    default_weight: float = 1.0
+    # (root tenant, weight) pairs, given in a config as a mapping {tenant: weight}.
+    weights: tuple[tuple[str, float], ...] = ()
+
+    def validate(self) -> None:
+        _check(
+            0.01 <= self.default_weight <= 1000,
+            "fairness.default_weight",
+            "must be in [0.01, 1000]",
+        )
+        _check(
+            len(self.weights) <= MAX_WEIGHTED_TENANTS,
+            "fairness.weights",
+            f"at most {MAX_WEIGHTED_TENANTS} tenants",
+        )
+        for tenant, weight in self.weights:
+            _check(0.01 <= weight <= 1000, f"fairness.weights.{tenant}", "must be in [0.01, 1000]")
+
+    def weight_map(self) -> dict[str, float]:
+        return dict(self.weights)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Everything the policy scheduler decides by."""
@@ -280,6 +316,7 @@ class PolicyConfig:
     kv: KvConfig = field(default_factory=KvConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
     quantum_tokens: int = 8192  # token budget handed out per deficit-round-robin round
     max_queued: int | None = None  # requests waiting in all lanes together; None: lane caps only
     degrade_backend: bool = False  # a fallback backend exists for timed-out hot requests
@@ -316,6 +353,7 @@ class PolicyConfig:
         self.kv.validate()
         self.predict.validate()
         self.admission.validate()
+        self.fairness.validate()
         _check(1 <= self.quantum_tokens <= 1 << 30, "quantum_tokens", "must be in [1, 2**30]")
         _check(
             self.max_queued is None or 0 <= self.max_queued <= 1_000_000,
@@ -351,6 +389,7 @@ _NESTED: dict[str, type] = {
     "kv": KvConfig,
     "predict": PredictConfig,
     "admission": AdmissionConfig,
+    "fairness": FairnessConfig,
 }
 _ENUMS: dict[str, type[StrEnum]] = {"on_timeout": OnTimeout, "mode": KvMode}
 
@@ -379,6 +418,16 @@ def _field(cls: type, key: str, raw: Any, name: str) -> Any:
             raise ValueError(f"{name}: {raw!r} is not one of {choices}") from None
     if key in _NESTED and cls is PolicyConfig:
         return _build(_NESTED[key], raw, name)
+    if key == "weights" and cls is FairnessConfig:
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{name}: must be a mapping of tenant to weight")
+        if len(raw) > MAX_WEIGHTED_TENANTS:
+            raise ValueError(f"{name}: at most {MAX_WEIGHTED_TENANTS} tenants")
+        pairs = []
+        for key_raw, weight in raw.items():
+            tenant = _typed(str, key_raw, f"{name} key")
+            pairs.append((tenant, _typed(float, weight, f"{name}.{tenant}")))
+        return tuple(sorted(pairs))
     if key == "lanes" and cls is PolicyConfig:
         if not isinstance(raw, list | tuple):
             raise ValueError(f"{name}: must be a list of lanes")
@@ -437,6 +486,12 @@ def to_mapping(config: PolicyConfig) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if isinstance(value, StrEnum):
             return value.value
+        if isinstance(value, FairnessConfig):
+            return {
+                "enabled": value.enabled,
+                "default_weight": value.default_weight,
+                "weights": value.weight_map(),
+            }
         if isinstance(value, tuple):
             return [plain(v) for v in value]
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.admission import DrainRate
 from scheduler_svc.core.breaker import Breaker
-from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue
+from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue, root_tenant
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
 from scheduler_svc.core.kv import BlockMirror
 from scheduler_svc.core.predict import OutputPredictor
@@ -119,6 +119,7 @@ EVENTS = (
     "rejected_duplicate_request_id",
     "rejected_unknown_lane",
     "rejected_predicted_late",
+    "pushed_out",
     "cancelled",
     "reconfigured",
 )
@@ -156,7 +157,7 @@ class PolicyScheduler:
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config = config or PolicyConfig()
-        self.lanes = {lane.name: LaneQueue(lane) for lane in config.lanes}
+        self.lanes = {lane.name: LaneQueue(lane, config.fairness) for lane in config.lanes}
         self.mirror = BlockMirror(config.kv, forecast=config.continuous_batching)
         self.predictor = OutputPredictor(config.predict)
         self.breaker = Breaker(config.breaker)
@@ -179,6 +180,8 @@ class PolicyScheduler:
         # In-flight engines: each lane's queued requests by start order (deadline, seq, request
         # id); an entry no longer queued there under that seq is skipped when it surfaces.
         self._deadlines: dict[str, list[tuple[float, int, str]]] = {n: [] for n in self.lanes}
+        # ... and by fair order (tag, seq, request id): which of the lane's requests goes.
+        self._fair: dict[str, list[tuple[float, int, str]]] = {n: [] for n in self.lanes}
         self._now = 0.0
 
     # -- arrivals ----------------------------------------------------------------------------
@@ -217,15 +220,20 @@ class PolicyScheduler:
         predicted = self.predictor.predict(request.tenant, lane, max_tokens)
         if self._blocks(request.prompt_tokens, predicted, max_tokens) > self.mirror.total_blocks:
             return self._too_large(request, lane, max_tokens, predicted)
-        late = self._late(lane, request.queue_deadline, now)
+        queue = self.lanes[lane]
+        fair = self.config.fairness.enabled
+        tenant = root_tenant(request.tenant)
+        tag = queue.start_tag(tenant) if fair else None
+        late = self._late(lane, request.queue_deadline, now, tag, tenant)
         if late is not None:
             wait, allowed = late
             if self.deadline_order:
+                behind = "its tenant's place in fair order" if fair else "the work due before it"
                 return self._reject(
                     rid,
                     RejectReason.PREDICTED_LATE,
-                    f"lane {lane!r} would start it in about {wait * 1000:.0f} ms, behind the "
-                    f"work due before it; it may wait {allowed * 1000:.0f} ms",
+                    f"lane {lane!r} would start it in about {wait * 1000:.0f} ms, behind "
+                    f"{behind}; it may wait {allowed * 1000:.0f} ms",
                     wait,
                 )
             return self._reject(
@@ -244,7 +252,12 @@ class PolicyScheduler:
                 f"the sidecar queue is full ({cap} waiting)",
                 self._retry_hint(lane),
             )
-        queue = self.lanes[lane]
+        if len(queue) >= queue.config.max_queued and fair:
+            # A full lane sheds the newest request of the tenant furthest over its share
+            # rather than the arrival of one under it.
+            victim = queue.over_share(tenant)
+            if victim is not None:
+                self._push_out(lane, victim)
         if len(queue) >= queue.config.max_queued:
             return self._reject(
                 rid,
@@ -258,6 +271,19 @@ class PolicyScheduler:
         self._lane_timers(lane, entry)
         self._settle_busy(now)
         return Admitted(rid)
+
+    def _push_out(self, lane: str, entry: Entry) -> None:
+        """Answer a queued request now (RESOURCE_EXHAUSTED at the shell): a tenant under its
+        share needs its place. The hint is the wait its tenant's next request would have."""
+        queue = self.lanes[lane]
+        self._drop(lane, entry)
+        retry = self.predicted_wait(lane, tag=queue.start_tag(entry.tenant), tenant=entry.tenant)
+        self._outbox.append(
+            Expired(
+                entry.request_id, ExpireReason.PUSHED_OUT, lane, retry or self.config.retry_after_s
+            )
+        )
+        self.counters["pushed_out"] += 1
 
     def _lane_timers(self, lane: str, entry: Entry) -> None:
         """The deadline and aging timers of a request entering `lane` (aging from arrival)."""
@@ -287,11 +313,29 @@ class PolicyScheduler:
         lanes together, so a wait predicted from it is never too long."""
         return self.drain[lane].rate() or self.pooled_drain.rate()
 
-    def predicted_wait(self, lane: str, key: float | None = None) -> float | None:
+    def predicted_wait(
+        self, lane: str, key: float | None = None, tag: float | None = None, tenant: str = ""
+    ) -> float | None:
         """Seconds an arrival in `lane` now would wait for the work queued ahead of it to
         drain; None while no rate is known. Ahead of it: on an in-flight engine, every queued
         request due before it (start order `key`, by default an arrival now), at the whole
-        engine's drain rate; otherwise its lane's queue, at the lane's rate."""
+        engine's drain rate; otherwise its lane's queue, at the lane's rate. With `tag` (the
+        place of `tenant`, a root tenant, in fair order), of its own lane the work fair order
+        serves before it (`LaneQueue.work_before`)."""
+        if tag is not None:
+            own = self.lanes[lane].work_before(tenant, tag)
+            if self.deadline_order and lane != self.config.lanes[0].name:
+                if key is None:
+                    key = self._order_key(lane, self._now, None)
+                own += sum(
+                    e.cost_tokens
+                    for other, e in self._queued.values()
+                    if other != lane and e.deadline <= key
+                )
+            rate = self.pooled_drain.rate() if self.deadline_order else self.drain_rate(lane)
+            if own <= 0:
+                return 0.0
+            return None if rate is None else own / rate
         if self.deadline_order:
             # The first lane passes later lanes held by the prefill budget: only its own count.
             # For an arrival now that is all its lane holds (each arrived earlier, so is due no
@@ -354,13 +398,21 @@ class PolicyScheduler:
         index = names.index(lane)
         return names[index + 1] if index + 1 < len(names) else None
 
-    def _late(self, lane: str, deadline: float | None, now: float) -> tuple[float, float] | None:
-        """(predicted wait, time allowed) when a request entering `lane` now is predicted to
-        start too late for the lane or for its deadline; None when it may be admitted."""
+    def _late(
+        self,
+        lane: str,
+        deadline: float | None,
+        now: float,
+        tag: float | None = None,
+        tenant: str = "",
+    ) -> tuple[float, float] | None:
+        """(predicted wait, time allowed) when a request entering `lane` now (at fair place
+        `tag`, where fairness is on) is predicted to start too late for the lane or for its
+        deadline; None when it may be admitted."""
         if not self.config.admission.enabled:
             return None
         key = self._order_key(lane, now, deadline) if self.deadline_order else None
-        wait = self.predicted_wait(lane, key)
+        wait = self.predicted_wait(lane, key, tag, tenant)
         if wait is None:
             return None
         allowed = self.allowed_wait(lane)
@@ -393,6 +445,7 @@ class PolicyScheduler:
         if self.config.continuous_batching:
             queue.mark_ready(bucket)
             heapq.heappush(self._deadlines[lane], (entry.deadline, entry.seq, entry.request_id))
+            heapq.heappush(self._fair[lane], (entry.tag, entry.seq, entry.request_id))
         elif len(bucket.members) == 1 and not bucket.ready:
             self._timer(now + queue.config.batch_timeout_s, _Timer(_BATCH, lane, bucket=bucket))
         timeout = self.lane_timeout(lane)
@@ -558,7 +611,8 @@ class PolicyScheduler:
         self.counters["degraded_lane"] += 1
 
     def _drop(self, lane: str, entry: Entry) -> None:
-        self.lanes[lane].remove(entry)
+        """Out of the queue unserved here: its tenant gets its work back in fair order."""
+        self.lanes[lane].drop(entry)
         del self._queued[entry.request_id]
         self._queued_tokens[lane] -= entry.cost_tokens
 
@@ -720,25 +774,37 @@ class PolicyScheduler:
                 continue
             if not self.mirror.admissible([self.need(entry)], [entry.prompt_tokens]):
                 return
-            heapq.heappop(self._deadlines[lane])
             self._release(lane, [entry], out)
             if budgeted:
                 long_prefill += entry.prompt_tokens
 
     def _earliest(self, lanes: set[str]) -> tuple[str, Entry] | None:
-        """The queued request due first among `lanes` (stale heap entries dropped on the way)."""
+        """The next request to start among `lanes`: the lane whose queued request is due
+        first, and of that lane the request first in fair order (with fairness off: the one due
+        first)."""
         best: tuple[float, int, str, Entry] | None = None
         for lane in lanes:
-            heap = self._deadlines[lane]
-            while heap:
-                deadline, seq, rid = heap[0]
-                found = self._queued.get(rid)
-                if found is not None and found[0] == lane and found[1].seq == seq:
-                    if best is None or (deadline, seq) < best[:2]:
-                        best = (deadline, seq, lane, found[1])
-                    break
-                heapq.heappop(heap)
-        return None if best is None else (best[2], best[3])
+            head = self._head(self._deadlines[lane], lane)
+            if head is not None and (best is None or (head.deadline, head.seq) < best[:2]):
+                best = (head.deadline, head.seq, lane, head)
+        if best is None:
+            return None
+        lane = best[2]
+        if self.config.fairness.enabled:
+            fair = self._head(self._fair[lane], lane)
+            if fair is not None:
+                return lane, fair
+        return lane, best[3]
+
+    def _head(self, heap: list[tuple[float, int, str]], lane: str) -> Entry | None:
+        """The smallest live entry of one of a lane's heaps (stale ones dropped on the way)."""
+        while heap:
+            _, seq, rid = heap[0]
+            found = self._queued.get(rid)
+            if found is not None and found[0] == lane and found[1].seq == seq:
+                return found[1]
+            heapq.heappop(heap)
+        return None
 
     # -- changes while running -------------------------------------------------------------
 
@@ -757,15 +823,18 @@ class PolicyScheduler:
         self.config = config
         for lane in config.lanes:
             self.lanes[lane.name].reconfigure(lane)
+            self.lanes[lane.name].set_fairness(config.fairness)
         if to_deadlines:  # now in deadline order: what waits joins it, by its own deadline
             for name in self.lanes:
                 self._deadlines[name] = []
+                self._fair[name] = []
             for name, entry in self._queued.values():
                 entry.deadline = self._order_key(
                     name, entry.arrived_at, entry.request.queue_deadline
                 )
                 self._deadlines[name].append((entry.deadline, entry.seq, entry.request_id))
-            for heap in self._deadlines.values():
+                self._fair[name].append((entry.tag, entry.seq, entry.request_id))
+            for heap in (*self._deadlines.values(), *self._fair.values()):
                 heapq.heapify(heap)
         if from_deadlines:  # back to lane order: what waits ages from its arrival again
             for name, entry in self._queued.values():

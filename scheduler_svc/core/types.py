@@ -38,6 +38,9 @@ class ExpireReason(StrEnum):
     REQUEUE_LIMIT = "requeue_limit"
     # Past its lane's timeout, and the lower lane it would join could not start it in time.
     PREDICTED_LATE = "predicted_late"
+    # Its lane was full and a tenant under its fair share arrived: the newest request of the
+    # tenant furthest over its share made room (fairness.enabled).
+    PUSHED_OUT = "pushed_out"
 
 
 class Target(StrEnum):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler_svc.core.config import (
     MEDIAN_FOR_ALLOCATING_ENGINES,
+    FairnessConfig,
     KvConfig,
     KvMode,
     PolicyConfig,
@@ -128,6 +129,7 @@ def make_scheduler(
     engine: str,
     cost: CostProfile,
     kv_mode: KvMode,
+    fairness: FairnessConfig | None = None,
 ) -> Scheduler | None:
     if target == "fifo":
         return None
@@ -174,6 +176,7 @@ def make_scheduler(
                 continuous_batching=inflight,
                 max_batches_in_flight=None if inflight else 1,
                 prefill_budget_tokens=budget if inflight else None,
+                fairness=fairness or FairnessConfig(),
             )
         )
     raise ValueError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
@@ -199,12 +202,14 @@ class _Run:
         cost: CostProfile,
         kv_mode: KvMode,
         warmup: int = 0,
+        requests: list[SimRequest] | None = None,
+        fairness: FairnessConfig | None = None,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
-        self.requests = generate(scenario, seed, qps)
-        slo = lane_slos(generate(scenario, seed), cost)
-        self.sched = make_scheduler(target, engine, cost, kv_mode)
+        self.requests = requests if requests is not None else generate(scenario, seed, qps)
+        slo = lane_slos(requests or generate(scenario, seed), cost)
+        self.sched = make_scheduler(target, engine, cost, kv_mode, fairness)
         if isinstance(self.sched, PolicyScheduler) and warmup:
             learn_outputs(self.sched, generate(scenario, seed + WARMUP_SEED)[:warmup])
         self.engine: InflightEngine | StaticEngine = (
@@ -341,6 +346,23 @@ def simulate(
     (default: the A100 estimate the simulator's tables use)."""
     profile = cost if cost is not None else load_profile(DEFAULT_SIM_PROFILE)
     return _Run(scenario, target, engine, seed, qps, profile, kv_mode, warmup).run()
+
+
+def simulate_requests(
+    name: str,
+    requests: list[SimRequest],
+    duration_s: float,
+    cost: CostProfile | None = None,
+    fairness: FairnessConfig | None = None,
+) -> RunResult:
+    """The policy on an in-flight engine over these requests (arrival order, tenants their
+    own) rather than a scenario's mix: the tenant-fairness bench's arrivals, run as the live
+    sidecar runs them."""
+    profile = cost if cost is not None else load_profile(DEFAULT_SIM_PROFILE)
+    scenario = Scenario(name, "given requests", 1.0, duration_s, ())
+    return _Run(
+        scenario, "policy", "inflight", 0, None, profile, KvMode.PAGED, 0, requests, fairness
+    ).run()
 
 
 def with_duration(scenario: Scenario, duration_s: float) -> Scenario:

@@ -13,6 +13,7 @@ from scheduler_svc.core.bucketing import Entry
 from scheduler_svc.core.config import (
     AdmissionConfig,
     BreakerConfig,
+    FairnessConfig,
     KvConfig,
     KvMode,
     LaneConfig,
@@ -623,6 +624,8 @@ class PolicyMachine(RuleBasedStateMachine):
             kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8),
             # Learn drain rates quickly, so predictive admission acts within a run.
             admission=AdmissionConfig(min_busy_s=0.05, min_completions=1),
+            # Tenant a weighs twice b: fair order, fair admission and push-out all act.
+            fairness=FairnessConfig(weights=(("a", 2.0),)),
         )
         self.policy = PolicyScheduler(self.config)
         self.now = 0.0
@@ -719,7 +722,12 @@ class PolicyMachine(RuleBasedStateMachine):
         )
         candidates = queued
         while candidates:
+            # The lane whose request is due first; of it, the request first in fair order.
             _, _, lane, entry = min(candidates, key=lambda q: q[:2])
+            if self.config.fairness.enabled:
+                entry = min(
+                    (q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq)
+                )
             held = (
                 lane != first
                 and budget is not None
@@ -811,10 +819,12 @@ class PolicyMachine(RuleBasedStateMachine):
     def one_state_each(self) -> None:
         queued = set(self.policy.queued_ids())
         flying = set(self.policy.in_flight_ids())
-        assert not queued & flying
+        # Pushed out by a tenant under its share: answered at the next decision round.
+        answering = {d.request_id for d in self.policy._outbox if isinstance(d, Expired)}
+        assert not queued & flying and not answering & (queued | flying)
         assert flying == self.in_flight
-        assert not (queued | flying) & set(self.ends)
-        assert queued | flying | set(self.ends) == self.admitted | {
+        assert not (queued | flying | answering) & set(self.ends)
+        assert queued | flying | answering | set(self.ends) == self.admitted | {
             r for r, s in self.ends.items() if s == "rejected"
         }
 
@@ -847,6 +857,16 @@ class PolicyMachine(RuleBasedStateMachine):
         policy = self.policy
         for name, queue in policy.lanes.items():
             assert policy._queued_tokens[name] == sum(e.cost_tokens for e in queue.entries.values())
+            # Fair shares: each tenant's queued work is its entries', in tag order.
+            by_tenant: dict[str, list[Entry]] = {}
+            for e in queue.entries.values():
+                by_tenant.setdefault(e.tenant, []).append(e)
+            assert queue._tenant_work == {
+                t: sum(e.counted for e in v) for t, v in by_tenant.items()
+            }
+            for tenant, entries in queue._by_tenant.items():
+                tags = [e.tag for e in entries.values()]
+                assert tags == sorted(tags), f"{tenant}'s requests out of arrival order"
             assert policy._prefill_tokens[name] == sum(
                 f.prompt_tokens
                 for f in policy._in_flight.values()
