@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-flood bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-flood bench-fairness bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -115,6 +115,11 @@ bench-sidecar: $(GEN)
 # One tenant's flood of 120 KB prompts against another's 1,000-character ones (issue 29).
 bench-flood: $(GEN)
 	$(BIN)/python benchmarks/tokenizer_flood.py
+
+# Fair shares between tenants (issue 31): a quiet tenant beside a flood, backlogged tenants of
+# different sizes and weights; fairness off and on, live and in the simulator (~8 min).
+bench-fairness: $(GEN)
+	$(BIN)/python benchmarks/tenant_fairness.py --out results/fairness
 
 # The policy core's own cost with 10,000 requests queued, and the simulator's speed.
 bench-core: $(GEN)

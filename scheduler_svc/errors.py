@@ -114,9 +114,10 @@ class UnknownModelError(RequestError):
 class OverloadedError(RequestError):
     type = "overloaded"
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str = "overloaded") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason  # the policy's reason (a metric label), where it gave one
 
 
 class BackendBusyError(RequestError):

@@ -322,7 +322,9 @@ class CoreLoop:
                     f"the request is too large for the backend: {verdict.message}"
                 )
             else:
-                error = OverloadedError(verdict.message, verdict.retry_after_s)
+                error = OverloadedError(
+                    verdict.message, verdict.retry_after_s, verdict.reason.value
+                )
             message.reply.set_exception(error)
             return
         assert isinstance(verdict, Admitted)

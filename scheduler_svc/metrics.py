@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -117,6 +117,28 @@ class SidecarMetrics:
             "Requests refused by their tenant's quota: configured tenants and the first refused "
             "ones by name (quotas.metric_tenants in all), the rest as other.",
             ["tenant", "quota"],
+            registry=r,
+        )
+        # Fair shares (policy.fairness), by root tenant, labels bounded as the quota's are.
+        self.tenant_tokens = Counter(
+            "scheduler_svc_tenant_tokens",
+            "Tokens served (prompt + generated) per root tenant and lane: a tenant's share of a "
+            "lane is its rate over the lane's sum.",
+            ["tenant", "lane"],
+            registry=r,
+        )
+        self.tenant_queued = Gauge(
+            "scheduler_svc_tenant_queued",
+            "Requests of a root tenant waiting in the sidecar queue.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "scheduler_svc_tenant_refusals",
+            "Requests of a root tenant refused by the policy, by reason: at arrival (queue_full, "
+            "predicted_late, ...), pushed out of a full lane (pushed_out), or answered from the "
+            "queue (missed_target, queue_timeout, ...).",
+            ["tenant", "reason"],
             registry=r,
         )
         self.stalled = Counter(

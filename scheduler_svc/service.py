@@ -32,9 +32,10 @@ from tokenizers import Tokenizer
 from scheduler_svc import auth
 from scheduler_svc.backends.base import DEFAULT_ENGINE_MODEL, GenerationInput
 from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
+from scheduler_svc.core.bucketing import root_tenant
 from scheduler_svc.core.quota import Limits, Refusal, TenantQuotas
 from scheduler_svc.core.routing import RouteClass
-from scheduler_svc.core.types import Expired, ExpireReason, Request, Urgency
+from scheduler_svc.core.types import Decision, Expired, ExpireReason, Request, Urgency
 from scheduler_svc.errors import (
     BackendFailedError,
     BackendUnavailableError,
@@ -50,6 +51,7 @@ from scheduler_svc.errors import (
     clip,
 )
 from scheduler_svc.loop import CoreLoop, Ticket
+from scheduler_svc.metrics import SidecarMetrics
 from scheduler_svc.text import TextStream
 from scheduler_svc.tokenqueue import TokenizerQueue
 
@@ -391,14 +393,20 @@ class GenerationService:
         size = len((params.prompt or "").encode("utf-8", "surrogatepass"))
         return -(-size // self.max_token_bytes)
 
+    def _tenant_label(self, tenant: str) -> str:
+        """A tenant's metric label: configured tenants and the first others seen by name
+        (quotas.metric_tenants in all), the rest `other`."""
+        if tenant in self._metric_tenants:
+            return tenant
+        if len(self._metric_tenants) < self.cfg.quotas.metric_tenants:
+            self._metric_tenants.add(tenant)
+            return tenant
+        return "other"
+
     def _refuse_by_quota(self, refusal: Refusal | None, tenant: str) -> None:
         if refusal is None:
             return
-        label = tenant if tenant in self._metric_tenants else "other"
-        if label == "other" and len(self._metric_tenants) < self.cfg.quotas.metric_tenants:
-            self._metric_tenants.add(tenant)
-            label = tenant
-        self.loop.metrics.tenant_refused.labels(label, refusal.quota).inc()
+        self.loop.metrics.tenant_refused.labels(self._tenant_label(tenant), refusal.quota).inc()
         raise QuotaExceededError(f"tenant {clip(tenant)}: {refusal.message}", refusal.retry_after_s)
 
     async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
@@ -446,6 +454,20 @@ class GenerationService:
         finally:
             self.quotas.give_back(tenant)
 
+    def _pinned_lane(self, params: GenerationParams) -> str | None:
+        """The lane the request's priority pins (queue.priority_lanes), under the policy."""
+        if self.cfg.queue.scheduler != "policy":
+            return None
+        return self.cfg.queue.priority_lanes.get(params.urgency.name.lower())
+
+    def _remaining(self, params: GenerationParams) -> float:
+        """The server's own cap on a request's life, within the client's deadline if it set
+        one."""
+        remaining = self.cfg.server.max_request_s
+        if params.time_remaining_s is not None:
+            remaining = min(remaining, params.time_remaining_s)
+        return remaining
+
     async def _generate(
         self,
         params: GenerationParams,
@@ -456,9 +478,6 @@ class GenerationService:
         max_tokens: int,
     ) -> AsyncGenerator[Delta | Final, None]:
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
-        pinned = None
-        if self.cfg.queue.scheduler == "policy":
-            pinned = self.cfg.queue.priority_lanes.get(params.urgency.name.lower())
         request = Request(
             request_id=run.internal_id,
             prompt_tokens=len(prompt),
@@ -466,7 +485,7 @@ class GenerationService:
             urgency=params.urgency,
             tenant=tenant,
             queue_deadline=run.started + queue_timeout if queue_timeout else None,
-            lane=pinned,
+            lane=self._pinned_lane(params),
         )
         row = GenerationInput(
             request_id=run.internal_id,
@@ -492,13 +511,11 @@ class GenerationService:
                 precision=params.precision,
             ),
         )
-        # The server's own cap on a request's life, within the client's deadline if it set one.
-        remaining = self.cfg.server.max_request_s
-        if params.time_remaining_s is not None:
-            remaining = min(remaining, params.time_remaining_s)
+        remaining = self._remaining(params)
         deadline = run.started + remaining
         ends_at = asyncio.get_running_loop().time() + remaining
         ticket = await self._submit(run, tenant, request, row, deadline)
+        share = _TenantShare(self.loop.metrics, self._tenant_label(root_tenant(tenant)))
         try:
             try:
                 async with asyncio.timeout_at(ends_at):
@@ -515,6 +532,7 @@ class GenerationService:
                 raise
             run.queued_at = self.clock()
             run.lane = decision.lane
+            share.decided(decision)
             if isinstance(decision, Expired):
                 raise self._expired(decision, run, queue_timeout)
             run.dispatched = True
@@ -534,6 +552,7 @@ class GenerationService:
             raise
         finally:
             self.loop.leave(ticket)
+            share.ended(run)
             self.outcomes[run.outcome] += 1
             ended = self.clock()
             self.loop.metrics.observe_end(
@@ -549,6 +568,9 @@ class GenerationService:
         try:
             return await self.loop.submit(request, row, deadline)
         except RequestError as exc:
+            if isinstance(exc, OverloadedError):
+                label = self._tenant_label(root_tenant(tenant))
+                self.loop.metrics.tenant_refusals.labels(label, exc.reason).inc()
             # Refused before it was accepted: no `request end` follows, so say why here.
             log.info("request refused", **run.who(tenant), outcome=exc.type, reason=str(exc)[:200])
             raise
@@ -577,6 +599,13 @@ class GenerationService:
             )
         if decision.reason == ExpireReason.REQUEUE_LIMIT:
             return OverloadedError(f"{waited} and was requeued to its limit", retry)
+        if decision.reason == ExpireReason.PUSHED_OUT:
+            return OverloadedError(
+                f"{waited}; its lane is full and a tenant under its fair share arrived: the "
+                "newest request of the tenant furthest over its share made room",
+                retry,
+                decision.reason.value,
+            )
         return QueueTimeoutError(
             f"{waited}, past the request's timeout of {(queue_timeout or 0) * 1000:.0f} ms"
         )
@@ -627,6 +656,31 @@ class GenerationService:
             lane=run.lane,
             log_probs=tuple(log_probs) if asked else None,
         )
+
+
+class _TenantShare:
+    """One request's part in its root tenant's fair-share metrics: queued from admission to
+    the policy's decision, refused by reason, tokens served per lane."""
+
+    def __init__(self, metrics: SidecarMetrics, label: str) -> None:
+        self.metrics, self.label, self.queued = metrics, label, True
+        metrics.tenant_queued.labels(label).inc()
+
+    def _leave_queue(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.metrics.tenant_queued.labels(self.label).dec()
+
+    def decided(self, decision: Decision) -> None:
+        self._leave_queue()
+        if isinstance(decision, Expired):
+            self.metrics.tenant_refusals.labels(self.label, decision.reason.value).inc()
+
+    def ended(self, run: _Run) -> None:
+        self._leave_queue()  # left before a decision: the client went, or the server's cap
+        if run.dispatched:
+            served = run.prompt_tokens + run.completion_tokens
+            self.metrics.tenant_tokens.labels(self.label, run.lane).inc(served)
 
 
 @dataclass

@@ -591,3 +591,65 @@ def test_deadline_order_goes_at_once_and_refuses_a_hot_request_past_its_target(
     assert not long_done and stats(sidecar).in_flight == 1  # the long answer is still running
     runner.join(WAIT_S)
     assert long_done and len(long_done[0].token_ids) == 200
+
+
+def test_a_quiet_tenant_goes_ahead_of_a_noisy_tenants_backlog_and_takes_its_place(
+    triton: TritonServer, sidecar_factory: Callable[..., SidecarProcess]
+) -> None:
+    """Fair shares on the real stack (one engine sequence, a patient hot lane of five
+    places): with the noisy tenant's answer running and its five more requests filling the
+    lane, a quiet tenant's request takes the place of the noisy tenant's newest one (pushed out
+    at once: RESOURCE_EXHAUSTED naming the fair share, a retry hint) and is served next, ahead
+    of the four the noisy tenant queued before it. First come, first served would refuse it
+    (the lane is full) and serve it last."""
+    port = free_port()
+    hot = {**PATIENT_HOT["lanes"][0], "max_queued": 5}
+    sidecar = sidecar_factory(
+        triton,
+        {
+            "server": {"metrics_port": port},
+            "queue": {"max_in_flight": 1},
+            "policy": {"lanes": [hot], "admission": {"enabled": False}},
+        },
+    )
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    finished: list[str] = []
+    outcomes: dict[str, Any] = {}
+
+    def send(name: str, tenant: str, max_tokens: int) -> None:
+        try:
+            outcomes[name] = ask(sidecar, f"Tell me about {name}.", max_tokens, tenant=tenant)
+        except grpc.RpcError as exc:
+            outcomes[name] = exc
+        finished.append(name)
+
+    threads = [threading.Thread(target=send, args=("running", "noisy", 64))]
+    threads[0].start()
+    eventually(lambda: stats(sidecar).in_flight == 1, "the noisy tenant's answer runs")
+    for i in range(5):
+        threads.append(threading.Thread(target=send, args=(f"noisy{i}", "noisy", 8)))
+        threads[-1].start()
+        eventually(lambda n=i + 1: stats(sidecar).queued == n, f"noisy{i} waits")
+    threads.append(threading.Thread(target=send, args=("quiet", "quiet", 8)))
+    threads[-1].start()
+    for t in threads:
+        t.join(WAIT_S)
+    pushed = outcomes["noisy4"]
+    assert isinstance(pushed, grpc.RpcError), "the noisy tenant's newest request was served"
+    assert pushed.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fair share" in (pushed.details() or "")
+    trailers: dict[str, str] = dict(pushed.trailing_metadata() or ())  # type: ignore[arg-type]
+    assert int(trailers["retry-after-ms"]) > 0
+    served = [n for n in finished if isinstance(outcomes[n], pb.GenerateResponse)]
+    assert served == ["running", "quiet", "noisy0", "noisy1", "noisy2", "noisy3"]
+    tokens = (
+        "scheduler_svc_tenant_tokens_total",
+        frozenset({("tenant", "quiet"), ("lane", "hot")}),
+    )
+    refusals = (
+        "scheduler_svc_tenant_refusals_total",
+        frozenset({("tenant", "noisy"), ("reason", "pushed_out")}),
+    )
+    page = scrape(metrics)
+    assert page[tokens] > 8 and page[refusals] == 1
+    assert page[("scheduler_svc_tenant_queued", frozenset({("tenant", "noisy")}))] == 0

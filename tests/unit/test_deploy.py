@@ -685,3 +685,44 @@ def test_alerts_and_dashboard_use_only_labels_the_pinned_trtllm_exports() -> Non
                 assert set(values.split("|")) <= exported, (where, label, values)
                 seen += 1
     assert seen >= 4
+
+
+def test_the_tenant_share_rule_divides_a_lanes_tokens_between_its_tenants(tmp_path: Path) -> None:
+    """promtool's rule unit test: two tenants serving 3:1 tokens in the hot lane, one alone in
+    the cold lane."""
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    series = 'scheduler_svc_tenant_tokens_total{{tenant="{}",lane="{}"}}'
+    share = 'scheduler_svc:tenant_lane_share:rate5m{{tenant="{}",lane="{}"}}'
+    expected = [("a", "hot", 0.75), ("b", "hot", 0.25), ("a", "cold", 1.0)]
+    case = {
+        "rule_files": ["alerts.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": series.format("a", "hot"), "values": "0+300x10"},
+                    {"series": series.format("b", "hot"), "values": "0+100x10"},
+                    {"series": series.format("a", "cold"), "values": "0+50x10"},
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": "scheduler_svc:tenant_lane_share:rate5m",
+                        "eval_time": "10m",
+                        "exp_samples": [
+                            {"labels": share.format(t, lane), "value": v} for t, lane, v in expected
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(case))
+    run = subprocess.run(
+        ["promtool", "test", "rules", "test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -201,7 +201,8 @@ def test_a_request_refused_at_arrival_says_why_in_the_log() -> None:
         queued = asyncio.ensure_future(collect(service, GenerationParams("b", prompt="x")))
         await until(lambda: service.loop.scheduler.stats().queued == 1, "b waits in its lane")
         with structlog.testing.capture_logs() as logs, pytest.raises(OverloadedError):
-            await collect(service, GenerationParams("c", prompt="x", tenant="t1"))
+            # The same tenant as b's: a full lane pushes out only a tenant over its share.
+            await collect(service, GenerationParams("c", prompt="x"))
         refused = [e for e in logs if e["event"] == "request refused"]
         assert len(refused) == 1 and refused[0]["request_id"] == "c"
         assert refused[0]["outcome"] == "overloaded" and "is full" in refused[0]["reason"]
