@@ -69,19 +69,20 @@ SCENARIOS = (
     FairScenario(
         "four_sizes",
         "four backlogged tenants, equal weights, 60 or 200 prompt tokens x 16 or 64 output "
-        "tokens, each offering 0.6x capacity",
+        "tokens, each offering 1x capacity",
         (
-            TenantLoad("s16", 0.6, 60, 16),
-            TenantLoad("l16", 0.6, 200, 16),
-            TenantLoad("s64", 0.6, 60, 64),
-            TenantLoad("l64", 0.6, 200, 64),
+            TenantLoad("s16", 1.0, 60, 16),
+            TenantLoad("l16", 1.0, 200, 16),
+            TenantLoad("s64", 1.0, 60, 64),
+            TenantLoad("l64", 1.0, 200, 64),
         ),
     ),
     FairScenario(
         "weighted",
         "two backlogged tenants of the same requests (60 prompt tokens, max_tokens 16) "
-        "weighted 2:1, each offering 1x capacity",
-        (TenantLoad("gold", 1.0, 60, 16, weight=2.0), TenantLoad("bronze", 1.0, 60, 16)),
+        "weighted 2:1, each offering 2x capacity (at 1x the heavier tenant's demand was met: "
+        "it was not backlogged)",
+        (TenantLoad("gold", 2.0, 60, 16, weight=2.0), TenantLoad("bronze", 2.0, 60, 16)),
     ),
 )
 
