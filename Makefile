@@ -117,7 +117,8 @@ bench-flood: $(GEN)
 	$(BIN)/python benchmarks/tokenizer_flood.py
 
 # Fair shares between tenants (issue 31): a quiet tenant beside a flood, backlogged tenants of
-# different sizes and weights; fairness off and on, live and in the simulator (~8 min).
+# different sizes and weights; fairness off and on, live and in the simulator, three times
+# over (~25 min).
 bench-fairness: $(GEN)
 	$(BIN)/python benchmarks/tenant_fairness.py --out results/fairness
 
