@@ -5,7 +5,7 @@ and cross-field rules and raises `ValueError` naming the field at fault (`lanes[
 `from_mapping` builds a config from plain nested dicts (what YAML gives the shell), refusing
 unknown keys.
 
-Defaults (DESIGN.md, "Priority lanes by token length"):
+Defaults (the source document's "priority lanes by token length"; docs/policy.md, "Defaults"):
     lane  prompt tokens  share  max batch  queue timeout  on timeout
     hot   < 256          40 %   16         100 ms         degrade at once (fallback backend,
                                                             shorter answer, else the warm lane)

@@ -151,7 +151,8 @@ class _Timer:
 
 
 class PolicyScheduler:
-    """The scheduling policy of DESIGN.md over the `Scheduler` seam."""
+    """The scheduling policy (this module's docstring, docs/policy.md) over the `Scheduler`
+    seam."""
 
     name = "policy"
 

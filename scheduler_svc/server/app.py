@@ -1,4 +1,10 @@
-"""The sidecar process: one grpc.aio server hosting every front on one port.
+"""The sidecar process: its listeners, each serving the fronts it should.
+
+- the client port (gRPC): scheduler.v1, KServe v2, health, reflection;
+- the admin listener (gRPC, loopback by default): the Admin service and KServe's repository
+  and model-control calls;
+- the HTTP port, where configured: the OpenAI-compatible `/v1` and Triton's generate extension;
+- the metrics port: Prometheus's page (metrics.py).
 
 Lifecycle: `start` (bind, serve, begin watching Triton's readiness) → `wait` → `drain` (health
 says NOT_SERVING, new calls are refused, in-flight ones get `drain_grace_s` to finish) → done.

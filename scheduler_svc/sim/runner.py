@@ -5,7 +5,8 @@ Targets, all fed the same arrivals:
   queue (bounded by max_queue_size; a full queue refuses at once).
 - `priority`: Triton's dynamic batcher with priority levels and a queue policy (per-level
   timeouts, a max queue size), length-blind. Modelled generously, as if the priority reached
-  the engine (DESIGN.md: with in-flight batching it does not).
+  the engine (with in-flight batching it does not: Triton's priority levels order only its own
+  queue, and the TensorRT-LLM backend never sees them).
 - `policy`: scheduler_svc's full policy (`core.policy.PolicyScheduler`) in front of the engine.
 
 The loop is the shell's in miniature: arrivals are submitted, `schedule(now)` decides, dispatched
