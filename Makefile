@@ -118,7 +118,7 @@ bench-flood: $(GEN)
 
 # Fair shares between tenants (issue 31): a quiet tenant beside a flood, backlogged tenants of
 # different sizes and weights; fairness off and on, live and in the simulator, three times
-# over (~25 min).
+# over (~15 min).
 bench-fairness: $(GEN)
 	$(BIN)/python benchmarks/tenant_fairness.py --out results/fairness
 

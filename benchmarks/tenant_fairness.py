@@ -11,7 +11,7 @@ sidecars; each scenario runs three times with fresh arrivals (`--repeats`). The 
 then runs the same arrivals' scenarios on its cost profile at the same multiples of its own
 capacity. Goodput is requests served within the hot SLO per second.
 
-    make bench-fairness   # = python benchmarks/tenant_fairness.py (~25 min here)
+    make bench-fairness   # = python benchmarks/tenant_fairness.py (~15 min here)
 """
 
 from __future__ import annotations
