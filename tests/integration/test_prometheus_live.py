@@ -121,6 +121,7 @@ def test_prometheus_sees_the_traffic_that_was_sent(
         "scheduler-svc",
         "scheduler-svc-policy",
         "scheduler-svc-rollout",
+        "scheduler-svc-tenants",
         "triton",
     }
     assert all(rule["health"] in ("ok", "unknown") for g in groups for rule in g["rules"])
