@@ -124,6 +124,10 @@ EVENTS = (
     "reconfigured",
 )
 
+# The share of its lane's TTFT target left before a request due first goes ahead of its lane's
+# fair head (when its tenant is not ahead in fair order by more than that request).
+URGENT_SHARE = 0.25
+
 # Timer kinds; a timer is void once its request left the lane or was requeued (version).
 _BATCH, _TIMEOUT, _DEADLINE, _AGING = "batch", "timeout", "deadline", "aging"
 
@@ -791,11 +795,19 @@ class PolicyScheduler:
         if best is None:
             return None
         lane = best[2]
+        due = best[3]
         if self.config.fairness.enabled:
             fair = self._head(self._fair[lane], lane)
-            if fair is not None:
-                return lane, fair
-        return lane, best[3]
+            if fair is not None and fair is not due:
+                # Deadline feasibility first: the request due first goes ahead of the fair head
+                # when its slack is nearly gone and its tenant is at most one of its requests
+                # ahead of the head in fair order (the fairness bound grows by that request).
+                queue = self.lanes[lane]
+                urgent = due.deadline - self._now <= URGENT_SHARE * queue.config.ttft_target_s
+                close = due.tag <= fair.tag + due.counted / queue.weight(due.tenant)
+                if not (urgent and close):
+                    return lane, fair
+        return lane, due
 
     def _head(self, heap: list[tuple[float, int, str]], lane: str) -> Entry | None:
         """The smallest live entry of one of a lane's heaps (stale ones dropped on the way)."""

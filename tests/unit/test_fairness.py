@@ -79,6 +79,31 @@ def test_a_quiet_tenant_passes_a_noisy_tenants_backlog_in_the_same_lane() -> Non
     assert "q0" not in _serve(fifo, 0.01, 4)
 
 
+def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
+    """Deadline feasibility first: within a lane the request due first passes the fair head
+    when under a quarter of its target is left and its tenant is at most one of its requests
+    ahead in fair order; a tenant further ahead waits its turn."""
+    policy = _engine(1)
+    policy.submit(req("run", 100, "a"), 0.0)
+    policy.schedule(0.0)  # a's tag 0; the lane's virtual time 0
+    policy.submit(req("a1", 100, "a"), 0.0)  # a's second: tag 116, due at 0.25 s
+    policy.submit(req("b1", 100, "b"), 0.1)  # b's first: tag 0, due at 0.35 s
+    policy.on_done("run", 0.2, 16)  # a1 has 50 ms of its 250 left: urgent, one request ahead
+    assert [d.request_id for d in policy.schedule(0.2) if isinstance(d, Dispatch)] == ["a1"]
+    # A tenant two requests ahead does not pass.
+    policy = _engine(1)
+    policy.submit(req("run", 100, "a"), 0.0)
+    policy.schedule(0.0)
+    for rid in ("a1", "a2"):
+        policy.submit(req(rid, 100, "a"), 0.0)
+    policy.on_done("run", 0.01, 16)
+    policy.schedule(0.01)  # a1 goes (nobody else waits): the virtual time is now 116
+    policy.submit(req("b1", 100, "b"), 0.1)  # tag 116, as a2's 232 is one ahead of it...
+    policy.submit(req("b2", 100, "b"), 0.1)  # ...and b2 is at 232 too
+    policy.on_done("a1", 0.2, 16)
+    assert [d.request_id for d in policy.schedule(0.2) if isinstance(d, Dispatch)] == ["a2"]
+
+
 def test_a_narrowed_tenant_shares_its_roots_place() -> None:
     policy = _engine(1)
     for i in range(20):
@@ -89,9 +114,11 @@ def test_a_narrowed_tenant_shares_its_roots_place() -> None:
 
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
 def test_backlogged_tenants_share_by_work_and_weight(weights: tuple[float, float]) -> None:
-    """Different request sizes, equal or 2:1 weights: served work follows the weights."""
+    """Different request sizes, equal or 2:1 weights: served work follows the weights (a
+    patient lane: nothing expires or runs short of slack in the 2 s served)."""
     fairness = FairnessConfig(weights=(("big", weights[0]), ("small", weights[1])))
-    policy = _engine(1, fairness)
+    patient = tuple(replace(lane, ttft_target_s=3600.0) for lane in default_lanes())
+    policy = _engine(1, fairness, lanes=patient)
     sizes = {"big": 200, "small": 60}
     for i in range(300):
         for tenant, prompt in sizes.items():

@@ -22,7 +22,7 @@ from scheduler_svc.core.config import (
     default_lanes,
     prefill_budget_tokens,
 )
-from scheduler_svc.core.policy import EVENTS, PolicyScheduler
+from scheduler_svc.core.policy import EVENTS, URGENT_SHARE, PolicyScheduler
 from scheduler_svc.core.types import (
     Admitted,
     Dispatch,
@@ -722,12 +722,17 @@ class PolicyMachine(RuleBasedStateMachine):
         )
         candidates = queued
         while candidates:
-            # The lane whose request is due first; of it, the request first in fair order.
-            _, _, lane, entry = min(candidates, key=lambda q: q[:2])
+            # The lane whose request is due first; of it, the request first in fair order,
+            # unless the one due first is nearly out of slack and its tenant at most one of its
+            # requests ahead of the fair head (deadline feasibility first).
+            _, _, lane, due = min(candidates, key=lambda q: q[:2])
+            entry = due
             if self.config.fairness.enabled:
-                entry = min(
-                    (q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq)
-                )
+                fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
+                queue = policy.lanes[lane]
+                urgent = due.deadline - self.now <= URGENT_SHARE * queue.config.ttft_target_s
+                close = due.tag <= fair.tag + due.counted / queue.weight(due.tenant)
+                entry = due if urgent and close else fair
             held = (
                 lane != first
                 and budget is not None
