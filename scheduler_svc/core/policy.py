@@ -30,6 +30,9 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   client's deadline, if sooner); the queued request with the earliest deadline starts first,
   across lanes, as soon as the engine has a free sequence and the KV pool admits it. Long work
   absorbs delay up to its own looser target; short work is never behind work due later.
+  Within a lane tenants go in fair order (core/bucketing.py: `policy.fairness`), except that the
+  lane's request due first passes the fair head once under URGENT_SHARE of its target is left,
+  where its tenant is at most one of its requests ahead of that head.
 - Prefill budget: the later lanes' prompt tokens dispatched and not yet prefilled stay within
   `prefill_budget_tokens` (a prompt longer than that goes alone), so a short prompt arriving
   finds at most about one step of long-prompt work ahead of it; the shell derives the budget
