@@ -114,7 +114,7 @@ class SidecarMetrics:
         )
         self.tenant_refused = Counter(
             "scheduler_svc_tenant_quota_refusals",
-            "Requests refused by their tenant's quota: configured tenants and the first refused "
+            "Requests refused by their tenant's quota: configured tenants and the first seen "
             "ones by name (quotas.metric_tenants in all), the rest as other.",
             ["tenant", "quota"],
             registry=r,

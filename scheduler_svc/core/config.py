@@ -277,12 +277,8 @@ MAX_WEIGHTED_TENANTS = 10_000
 
 @dataclass(frozen=True)
 class FairnessConfig:
-    """Work-weighted fair sharing between tenants within a lane (core/bucketing.py's tags).
-
-    A tenant is its root name (`team-a/x` counts as `team-a`). Each lane serves tenants in order
-    of start-time fair tags spaced by each request's work (prompt + predicted output tokens)
-    over the tenant's weight; admission predicts a request's wait from its own tag, and a full
-    lane pushes out the newest request of the tenant furthest over its share."""
+    """Work-weighted fair sharing between root tenants within a lane (core/bucketing.py's tags
+    spaced by work over weight; core/policy.py's order, admission and push-out)."""
 
     enabled: bool = True
     default_weight: float = 1.0

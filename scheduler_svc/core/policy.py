@@ -330,39 +330,29 @@ class PolicyScheduler:
         engine's drain rate; otherwise its lane's queue, at the lane's rate. With `tag` (the
         place of `tenant`, a root tenant, in fair order), of its own lane the work fair order
         serves before it (`LaneQueue.work_before`)."""
+        first = lane == self.config.lanes[0].name
+        if self.deadline_order and key is None and not (first and tag is None):
+            key = self._order_key(lane, self._now, None)
+        # Its own lane: the work before its tenant's place in fair order; else, in deadline
+        # order, what is due before it (for a first-lane arrival now, all its lane holds: no scan
+        # on the paths that ask every turn, the breaker, stats and hints); else the lane's queue.
         if tag is not None:
-            own = self.lanes[lane].work_before(tenant, tag)
-            if self.deadline_order and lane != self.config.lanes[0].name:
-                if key is None:
-                    key = self._order_key(lane, self._now, None)
-                own += sum(
-                    e.cost_tokens
-                    for other, e in self._queued.values()
-                    if other != lane and e.deadline <= key
-                )
-            rate = self.pooled_drain.rate() if self.deadline_order else self.drain_rate(lane)
-            if own <= 0:
-                return 0.0
-            return None if rate is None else own / rate
-        if self.deadline_order:
-            # The first lane passes later lanes held by the prefill budget: only its own count.
-            # For an arrival now that is all its lane holds (each arrived earlier, so is due no
-            # later): no scan on the paths that ask every turn (the breaker, stats, hints).
-            first = lane == self.config.lanes[0].name
-            if first and key is None:
-                ahead = self._queued_tokens[lane]
-            else:
-                if key is None:
-                    key = self._order_key(lane, self._now, None)
-                ahead = sum(
-                    e.cost_tokens
-                    for other, e in self._queued.values()
-                    if e.deadline <= key and (other == lane or not first)
-                )
-            rate = self.pooled_drain.rate()
+            ahead = self.lanes[lane].work_before(tenant, tag)
+        elif self.deadline_order and key is not None:
+            ahead = sum(
+                e.cost_tokens for e in self.lanes[lane].entries.values() if e.deadline <= key
+            )
         else:
             ahead = self._queued_tokens[lane]
-            rate = self.drain_rate(lane)
+        if self.deadline_order and not first and key is not None:
+            # A later lane's request also waits for the other lanes' work due before it (the
+            # first lane passes later lanes held by the prefill budget).
+            ahead += sum(
+                e.cost_tokens
+                for other, e in self._queued.values()
+                if other != lane and e.deadline <= key
+            )
+        rate = self.pooled_drain.rate() if self.deadline_order else self.drain_rate(lane)
         if ahead <= 0:
             return 0.0
         return None if rate is None else ahead / rate
@@ -804,7 +794,10 @@ class PolicyScheduler:
             if fair is not None and fair is not due:
                 # Deadline feasibility first: the request due first goes ahead of the fair head
                 # when its slack is nearly gone and its tenant is at most one of its requests
-                # ahead of the head in fair order (the fairness bound grows by that request).
+                # ahead of the head in fair order. (Usually it is: its tag follows its tenant's
+                # last dispatched one. Not where its tenant's earlier requests expired unserved,
+                # a flooding tenant's: without this check the simulator's quiet tenant beside a
+                # flood fell from 100 % to 97.6 % served, P99 169 -> 285 ms.)
                 queue = self.lanes[lane]
                 urgent = due.deadline - self._now <= URGENT_SHARE * queue.config.ttft_target_s
                 close = due.tag <= fair.tag + due.counted / queue.weight(due.tenant)

@@ -81,27 +81,29 @@ def test_a_quiet_tenant_passes_a_noisy_tenants_backlog_in_the_same_lane() -> Non
 
 def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
     """Deadline feasibility first: within a lane the request due first passes the fair head
-    when under a quarter of its target is left and its tenant is at most one of its requests
-    ahead in fair order; a tenant further ahead waits its turn."""
-    policy = _engine(1)
-    policy.submit(req("run", 100, "a"), 0.0)
-    policy.schedule(0.0)  # a's tag 0; the lane's virtual time 0
-    policy.submit(req("a1", 100, "a"), 0.0)  # a's second: tag 116, due at 0.25 s
-    policy.submit(req("b1", 100, "b"), 0.1)  # b's first: tag 0, due at 0.35 s
-    policy.on_done("run", 0.2, 16)  # a1 has 50 ms of its 250 left: urgent, one request ahead
-    assert [d.request_id for d in policy.schedule(0.2) if isinstance(d, Dispatch)] == ["a1"]
-    # A tenant two requests ahead does not pass.
+    once under a quarter of its target is left (not before), where its tenant is at most one
+    of its requests ahead in fair order; a tenant further ahead (its earlier request expired
+    unserved, so the lane's virtual time never passed it) waits its turn."""
+    for now, first in ((0.15, "b1"), (0.2, "a1")):  # a1 has 100 ms left, then 50 ms
+        policy = _engine(1)
+        policy.submit(req("run", 100, "a"), 0.0)
+        policy.schedule(0.0)  # a's tag 0; the lane's virtual time 0
+        policy.submit(req("a1", 100, "a"), 0.0)  # a's second: tag 116, due at 0.25 s
+        policy.submit(req("b1", 100, "b"), 0.1)  # b's first: tag 0 (the fair head), due at 0.35
+        policy.on_done("run", now, 16)
+        assert [d.request_id for d in policy.schedule(now) if isinstance(d, Dispatch)] == [first]
     policy = _engine(1)
     policy.submit(req("run", 100, "a"), 0.0)
     policy.schedule(0.0)
-    for rid in ("a1", "a2"):
-        policy.submit(req(rid, 100, "a"), 0.0)
-    policy.on_done("run", 0.01, 16)
-    policy.schedule(0.01)  # a1 goes (nobody else waits): the virtual time is now 116
-    policy.submit(req("b1", 100, "b"), 0.1)  # tag 116, as a2's 232 is one ahead of it...
-    policy.submit(req("b2", 100, "b"), 0.1)  # ...and b2 is at 232 too
-    policy.on_done("a1", 0.2, 16)
-    assert [d.request_id for d in policy.schedule(0.2) if isinstance(d, Dispatch)] == ["a2"]
+    policy.submit(req("a1", 100, "a"), 0.0)  # tag 116, due at 0.25 s: it will expire
+    policy.submit(req("a2", 100, "a"), 0.05)  # tag 232, due at 0.30 s
+    policy.submit(req("b1", 100, "b"), 0.1)  # tag 0, due at 0.35 s
+    policy.on_done("run", 0.26, 16)
+    decisions = policy.schedule(0.26)  # a2 has 40 ms left, but a is two requests ahead of b1
+    assert [(d.request_id, type(d).__name__) for d in decisions] == [
+        ("a1", "Expired"),
+        ("b1", "Dispatch"),
+    ]
 
 
 def test_a_narrowed_tenant_shares_its_roots_place() -> None:
