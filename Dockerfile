@@ -5,9 +5,10 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY protos ./protos
 COPY scheduler_svc ./scheduler_svc
+COPY reference_engine ./reference_engine
 # Generate the protobuf stubs (the build's job, never committed), then build a wheel.
 RUN pip install --no-cache-dir -c constraints.txt grpcio-tools \
- && python -m scheduler_svc.protogen \
+ && python -m scheduler_svc.tools.protogen \
  && pip wheel --no-cache-dir --no-deps -w /wheels .
 
 FROM python:3.11-slim

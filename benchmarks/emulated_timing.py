@@ -23,17 +23,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.bench.live import (
+from scheduler_svc.profiles import load_profile
+from scheduler_svc.tools.bench.live import (
     BenchRequest,
     Prompts,
     TritonClient,
     engine_value,
     scrape,
 )
-from scheduler_svc.bench.run import wait_idle
-from scheduler_svc.modelrepo import copy_engine_variant
-from scheduler_svc.profiles import load_profile
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.bench.run import wait_idle
+from scheduler_svc.tools.modelrepo import copy_engine_variant
+from scheduler_svc.tools.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "model_repo" / "emulated" / "tensorrt_llm"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from scheduler_svc.engine.batcher import Batcher
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.request import RowSpec, Sampling
-from scheduler_svc.engine.runner import ModelRunner
+from reference_engine.batcher import Batcher
+from reference_engine.config import EngineConfig
+from reference_engine.request import RowSpec, Sampling
+from reference_engine.runner import ModelRunner
 
 PROMPT_TOKEN = 1000  # any in-vocabulary id: timing does not depend on the text
 

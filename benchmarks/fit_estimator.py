@@ -5,7 +5,7 @@ benchmarks/data/estimator_train_zh.txt (Chinese prose written for this), and Pyt
 library docstrings (English). The fit minimises squared relative error, with each of the four
 groups weighted equally and every weight kept >= 0 (projected gradient descent). Prints the
 weights to paste into `WEIGHTS`, then the error of the current and the fitted weights on the
-held-out corpus in tests/data/lengths/ (what tests/unit/test_policy_parts.py measures).
+held-out corpus in tests/data/lengths/ (what tests/unit/core/test_policy_parts.py measures).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from scheduler_svc.core import lengths
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.serving.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = load_tokenizer()

@@ -31,9 +31,9 @@ from typing import Any
 
 import yaml
 
-from scheduler_svc.bench.live import start_sidecar_process
-from scheduler_svc.tokenizer import tokenizer_path
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.serving.tokenizer import tokenizer_path
+from scheduler_svc.tools.bench.live import start_sidecar_process
+from scheduler_svc.tools.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_MAX_TOKENS = 256  # prompts up to this long count as short (chat)

@@ -5,8 +5,9 @@ make run's defaults: fairness off (`policy.fairness.enabled: false`: first come,
 within a lane) and on (the default, with the scenario's weights). Quotas are off in both, so
 the fair share and not a cap does the work. Calibration first: the chat request's unloaded
 time to first token (the hot SLO is max(250 ms, 5x it)) and the engine's capacity (chat
-requests per second, 16 in flight, closed loop). Each scenario (scheduler_svc/bench/fairness.py)
-offers every tenant's open-loop Poisson arrivals for 30 s; the same arrivals go to both
+requests per second, 16 in flight, closed loop). Each scenario
+(scheduler_svc/tools/bench/fairness.py) offers every tenant's open-loop Poisson arrivals for
+30 s; the same arrivals go to both
 sidecars; each scenario runs three times with fresh arrivals (`--repeats`). The simulator
 then runs the same arrivals' scenarios on its cost profile at the same multiples of its own
 capacity. Goodput is requests served within the hot SLO per second.
@@ -27,8 +28,12 @@ from typing import Any
 
 import yaml
 
-from scheduler_svc.bench import fairness
-from scheduler_svc.bench.live import (
+from scheduler_svc.core.config import FairnessConfig
+from scheduler_svc.core.slo import lane_slo_s
+from scheduler_svc.sim.runner import simulate_requests
+from scheduler_svc.sim.workload import SimRequest
+from scheduler_svc.tools.bench import fairness
+from scheduler_svc.tools.bench.live import (
     Prompts,
     SidecarClient,
     closed_loop,
@@ -37,11 +42,7 @@ from scheduler_svc.bench.live import (
     start_sidecar,
     unloaded_ttft,
 )
-from scheduler_svc.core.config import FairnessConfig
-from scheduler_svc.core.slo import lane_slo_s
-from scheduler_svc.sim.runner import simulate_requests
-from scheduler_svc.sim.workload import SimRequest
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = fairness.FairScenario(

@@ -25,8 +25,8 @@ import grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.bench.live import start_sidecar
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.bench.live import start_sidecar
+from scheduler_svc.tools.triton.launcher import TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [

@@ -30,7 +30,7 @@ installed="$(python3 -c 'import tensorrt_llm; print(tensorrt_llm.__version__)' 2
 
 echo "1/5 installing scheduler-svc and its test tools ..."
 pip install --quiet --break-system-packages -e "${root}[dev]"
-(cd "${root}" && python3 -m scheduler_svc.protogen)
+(cd "${root}" && python3 -m scheduler_svc.tools.protogen)
 
 echo "2/5 a small random-weight Llama checkpoint ..."
 python3 - "${work}/hf" <<'PY'

@@ -3,13 +3,13 @@
 Every field has bounds and a description. `load_config` names the field at fault when a value is
 wrong (`queue.max_queued: Input should be greater than or equal to 0`).
 
-Over 500 lines on purpose until the layout issue (30) splits the package by role; new
-code of its kind goes into modules of its own (cost profiles live in scheduler_svc/profiles).
+Over 500 lines: the schema of every section the sidecar reads (server, TLS, auth, queue, quotas,
+triton, groups, routes, rollouts, the spec gate) and the `policy` section's overlay on the
+core's config; the policy-for-engine rule is the core's (core/engine.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -19,14 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from scheduler_svc.backends.base import Batching, EngineProfile
 from scheduler_svc.core import config as core_config
-from scheduler_svc.core.config import (
-    MEDIAN_FOR_ALLOCATING_ENGINES,
-    KvConfig,
-    PolicyConfig,
-    prefill_budget_tokens,
-)
+from scheduler_svc.core.config import KvConfig, PolicyConfig
+from scheduler_svc.core.engine import EngineProfile, Pinned, policy_for_engine
 from scheduler_svc.core.routing import (
     DEFAULT_GROUP,
     RolloutConfig,
@@ -34,7 +29,6 @@ from scheduler_svc.core.routing import (
     RouteRule,
     SpecGateConfig,
 )
-from scheduler_svc.core.slo import lane_targets
 from scheduler_svc.errors import ConfigError
 
 # Requests in flight until the engine's profile has been read (none is dispatched before then);
@@ -632,87 +626,28 @@ class SidecarConfig(_Frozen):
         return self.policy_override(defaults, self.policy)
 
     def policy_for_engine(self, base: PolicyConfig, engine: EngineProfile) -> PolicyConfig:
-        """`base` with what the engine's profile decides, where the `policy` section does not
-        pin it: as many requests in flight as the engine runs sequences (queue.max_in_flight
-        null); a static engine gets no continuous batching and as many batches in flight as
-        it runs at once; an in-flight engine batches continuously with no batch limit, its
-        lanes' TTFT targets follow the engine's step cost where it states one (core/slo.py's
-        rule), and the later lanes' unprefilled prompt tokens stay within a budget from that
-        cost or two steps' max_num_tokens (`prefill_budget_tokens()`; none where the engine
-        chunks prompts by equal_progress). A static engine
-        refuses a request with more rows than it runs (max_num_sequences) or than a request
-        may carry (max_batch_size), so its rows in flight are capped there; an in-flight
-        engine merely queues what it cannot run yet.
-        On an in-flight engine the KV mirror reserves as the engine allocates
-        (`kv.reserve_max_tokens` under guaranteed_no_evict; the median predicted output under
-        max_utilization)."""
-        static = engine.batching is Batching.STATIC
-        changes: dict[str, Any] = {}
-        pinned = self.policy.get("kv")
-        kv_pins = pinned if isinstance(pinned, Mapping) else {}
-        if self.queue.max_in_flight is None and "max_in_flight" not in kv_pins:
-            # As many sequences as the engine runs: a 256-sequence engine is not held to 16.
-            base = dataclasses.replace(
-                base, kv=dataclasses.replace(base.kv, max_in_flight=engine.sequences())
-            )
-            changes["kv"] = base.kv
-        if "continuous_batching" not in self.policy:
-            changes["continuous_batching"] = not static
-        if "max_batches_in_flight" not in self.policy:
-            changes["max_batches_in_flight"] = engine.batches_at_once if static else None
-        lanes = base.lanes
-        if not static and engine.step_cost is not None:
-            # The engine says what a step costs: each lane works to the one SLO rule's bound
-            # on it (core/slo.py), unless the policy section pins the lane's target.
-            targets = lane_targets(
-                ((lane.name, lane.min_prompt_tokens) for lane in lanes),
-                lambda tokens: engine.prefill_s(tokens) or 0.0,
-            )
-            given = self.policy.get("lanes")
-            pins = _named_lanes(given) if isinstance(given, list) else {}
-            lanes = tuple(
-                lane
-                if "ttft_target_s" in pins.get(lane.name, {})
-                else dataclasses.replace(lane, ttft_target_s=targets[lane.name])
-                for lane in lanes
-            )
-            if lanes != base.lanes:
-                changes["lanes"] = lanes
-        if "prefill_budget_tokens" not in self.policy and not static:
-            # From the engine's cost per prompt token where it says, else two of its steps.
-            tightest = min(lane.ttft_target_s for lane in lanes)
-            budget = prefill_budget_tokens(
-                tightest, engine.prompt_token_s(), engine.max_num_tokens, engine.context_chunking
-            )
-            if budget is not None:
-                changes["prefill_budget_tokens"] = budget
-        if static:
-            per_batch = min(engine.max_batch_size, engine.max_num_sequences or 1 << 30)
-            rows = min(base.kv.max_in_flight, per_batch * engine.batches_at_once)
-            if rows != base.kv.max_in_flight:
-                changes["kv"] = dataclasses.replace(base.kv, max_in_flight=rows)
-        if not static and "reserve_max_tokens" not in kv_pins:
-            # The mirror reserves as the engine allocates: prompt + max_tokens under
-            # guaranteed_no_evict, the predicted output under max_utilization.
-            kv = changes.get("kv", base.kv)
-            if kv.reserve_max_tokens != engine.reserves_max_tokens:
-                changes["kv"] = dataclasses.replace(
-                    kv, reserve_max_tokens=engine.reserves_max_tokens
-                )
-        chosen = self.policy.get("predict")
-        if (
-            not static
-            and not engine.reserves_max_tokens
-            and not (isinstance(chosen, Mapping) and "quantile" in chosen)
-        ):
-            # An engine that allocates as tokens come: reserve each request's median output
-            # (many rows' outputs sum close to their medians; the reserve absorbs the spread and
-            # a row that outruns grows). The 90th percentile, summed over every row, held the
-            # KV bench at 0.68x Triton alone.
-            changes["predict"] = dataclasses.replace(
-                base.predict, quantile=MEDIAN_FOR_ALLOCATING_ENGINES
-            )
-        return dataclasses.replace(base, **changes) if changes else base
+        """`base` with what the engine's profile decides (the core's rule, `core/engine.py`),
+        except what this config's `policy` section and `queue.max_in_flight` pin."""
+        return policy_for_engine(base, engine, self.pinned())
+
+    def pinned(self) -> Pinned:
+        """What the `policy` section (and `queue.max_in_flight`) set, for the engine's rule."""
+        kv = self.policy.get("kv")
+        kv_pins = kv if isinstance(kv, Mapping) else {}
+        lanes = self.policy.get("lanes")
+        lane_pins = _named_lanes(lanes) if isinstance(lanes, list) else {}
+        predict = self.policy.get("predict")
+        return Pinned(
+            max_in_flight=self.queue.max_in_flight is not None or "max_in_flight" in kv_pins,
+            continuous_batching="continuous_batching" in self.policy,
+            max_batches_in_flight="max_batches_in_flight" in self.policy,
+            lane_targets=frozenset(
+                name for name, keys in lane_pins.items() if "ttft_target_s" in keys
+            ),
+            prefill_budget="prefill_budget_tokens" in self.policy,
+            reserve_max_tokens="reserve_max_tokens" in kv_pins,
+            predict_quantile=isinstance(predict, Mapping) and "quantile" in predict,
+        )
 
     def policy_override(self, base: PolicyConfig, changes: Mapping[str, Any]) -> PolicyConfig:
         """`base` with `changes` applied (the config file, UpdatePolicy, SIGHUP). A lane given

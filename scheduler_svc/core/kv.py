@@ -18,7 +18,7 @@ Two ways of reading reservations:
   then (`peak_blocks`), which is below the sum of the sizes whenever rows end at different
   times. Summing the final sizes instead would hold back work the engine could run.
 
-Invariants (checked by tests/unit/test_policy_parts.py's state machine):
+Invariants (checked by tests/unit/core/test_policy_parts.py's state machine):
 - claims: reserved + external + free == total + overcommit, where overcommit > 0 only if the
   backend reported a pool smaller than what is already reserved, and then free == 0;
 - forecasts: peak_blocks <= reserved_blocks, and peak + external + free == total when the

@@ -5,7 +5,7 @@ space, digit groups, newlines, indentation, punctuation runs) and each kind cost
 of tokens. The weights were fitted by benchmarks/fit_estimator.py (non-negative least squares on
 relative error against the DeepSeek-V4 tokenizer) on text that is not the test corpus: this
 repository's code and docs, benchmarks/data/estimator_train_zh.txt and Python standard-library
-docstrings. tests/unit/test_policy_parts.py measures the error on the held-out corpus in
+docstrings. tests/unit/core/test_policy_parts.py measures the error on the held-out corpus in
 tests/data/lengths/ (English, Chinese, code, mixed).
 
 Invariant: estimate_tokens(text) >= 1, and it grows with the text (every weight is >= 0).

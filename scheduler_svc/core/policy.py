@@ -47,7 +47,7 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   with no fallback is answered at once (not served from a lower lane seconds late); a requeue
   lane's request keeps its place while it waits again.
 
-Invariants (tests/unit/test_policy.py's state machine):
+Invariants (tests/unit/core/test_policy.py's state machine):
 - every submitted request ends in exactly one of: rejected at submission, expired, cancelled,
   done; it is never both queued and in flight;
 - primary in-flight requests hold exactly one KV reservation each; nothing else holds one;

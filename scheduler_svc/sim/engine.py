@@ -29,7 +29,7 @@ from scheduler_svc.profiles import CostProfile
 
 
 @dataclass(eq=False)
-class Sequence:
+class SimSequence:
     """A request as the engine sees it."""
 
     request_id: str
@@ -50,9 +50,9 @@ class Sequence:
 @dataclass
 class StepResult:
     duration_s: float
-    first_token: list[Sequence]
-    progressed: list[Sequence]
-    finished: list[Sequence]
+    first_token: list[SimSequence]
+    progressed: list[SimSequence]
+    finished: list[SimSequence]
 
 
 @dataclass
@@ -76,11 +76,11 @@ class _Engine:
 
     def __init__(self, cost: CostProfile) -> None:
         self.cost = cost
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
         self.totals = EngineTotals(row_limit=cost.max_num_sequences)
 
-    def enqueue(self, seq: Sequence) -> bool:
+    def enqueue(self, seq: SimSequence) -> bool:
         """False when the engine's own queue is full (the request is refused)."""
         if len(self.waiting) >= self.cost.max_queue_size:
             return False
@@ -108,7 +108,7 @@ class InflightEngine(_Engine):
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.cost.tokens_per_block)
 
-    def _admit(self, budget: int, prefilling: list[Sequence]) -> None:
+    def _admit(self, budget: int, prefilling: list[SimSequence]) -> None:
         """Admit from the head of the queue while the sequence limit, this step's prompt budget
         (the reference engine's rule for its chunking policy) and the KV pool allow."""
         equal = self.cost.context_chunking_policy == "equal_progress"
@@ -168,7 +168,7 @@ class InflightEngine(_Engine):
         # What the step reads from the KV cache: each decode row its context (all but the token
         # it feeds), each prompt chunk the chunks before it.
         read = sum(s.context - 1 for s in decoding)
-        first: list[Sequence] = []
+        first: list[SimSequence] = []
         prompt_tokens = chunked = 0
         for seq, chunk in zip(prefilling, sizes, strict=True):
             if not chunk:
@@ -213,7 +213,7 @@ class StaticEngine(_Engine):
 
     def _next_batch(self) -> None:
         head = self.waiting[0]
-        batch: list[Sequence] = []
+        batch: list[SimSequence] = []
         while self.waiting and len(batch) < self.max_batch:
             seq = self.waiting[0]
             if head.batch_id and seq.batch_id != head.batch_id:

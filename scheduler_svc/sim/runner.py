@@ -38,7 +38,7 @@ from scheduler_svc.profiles import CostProfile, load_profile
 from scheduler_svc.sim.engine import (
     EngineTotals,
     InflightEngine,
-    Sequence,
+    SimSequence,
     StaticEngine,
     StepResult,
 )
@@ -233,7 +233,7 @@ class _Run:
             slo_s=slo,
         )
         self.by_id = {o.request.request_id: o for o in self.result.outcomes}
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, SimSequence] = {}
         self.events: list[tuple[float, int, str, str]] = []
         self.tick = itertools.count()
         self.stepping = False
@@ -282,7 +282,7 @@ class _Run:
 
     def send(self, outcome: Outcome, batch_id: int) -> None:
         r = outcome.request
-        seq = Sequence(r.request_id, r.prompt_tokens, r.output_tokens, r.max_tokens, batch_id)
+        seq = SimSequence(r.request_id, r.prompt_tokens, r.output_tokens, r.max_tokens, batch_id)
         if self.engine.enqueue(seq):
             self.seqs[r.request_id] = seq
         else:

@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from scheduler_svc.backends.base import Batching, EngineProfile, GenerationInput, Tokens
+from scheduler_svc.core.engine import Batching, EngineProfile
+from scheduler_svc.serving.backends.base import GenerationInput, Tokens
 
 
 @dataclass

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.modelrepo import STATIC_ENGINE, copy_engine_variant
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.modelrepo import STATIC_ENGINE, copy_engine_variant
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_models, scrape, wait_engine_idle
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.serving.tokenizer import load_tokenizer
 
 MIXED = (
     "The quick brown fox jumps over the lazy dog. 敏捷的棕色狐狸跳过了懒狗。 def f(x): return x * 2"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scheduler_svc.bench import plan as bp
-from scheduler_svc.bench import run
+from scheduler_svc.tools.bench import plan as bp
+from scheduler_svc.tools.bench import run
 
 
 def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scheduler_svc import chaos
+from scheduler_svc.tools import chaos
 from tests.integration.conftest import CPU_REPO
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc.triton.launcher import TritonServer, free_port
+from scheduler_svc.tools.triton.launcher import TritonServer, free_port
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import scrape
 

@@ -15,8 +15,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.serving.tokenizer import load_tokenizer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.conftest import CPU_REPO, _start
 from tests.integration.sidecar import SidecarProcess
 from tests.integration.tritonio import engine_request, infer, make_inputs, text_request

@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
+from reference_engine.emulated import FIRST_ORDINARY_ID, FIRST_SPECIAL_ABOVE
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc.engine.emulated import FIRST_ORDINARY_ID, FIRST_SPECIAL_ABOVE
 from scheduler_svc.profiles import load_profile
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.conftest import EMULATED_SCALE
 from tests.integration.prompts import tokens_of_length
 from tests.integration.sidecar import SidecarProcess

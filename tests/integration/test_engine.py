@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, tokens, tokens_of_length
 from tests.integration.tritonio import (
     Answer,

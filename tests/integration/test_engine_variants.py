@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from scheduler_svc.engine.eos import natural_length
-from scheduler_svc.triton.launcher import TritonServer
+from reference_engine.eos import natural_length
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import tokens_of_length
 from tests.integration.tritonio import (
     Answer,

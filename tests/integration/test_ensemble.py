@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.serving.tokenizer import load_tokenizer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, tokens
 from tests.integration.tritonio import engine_request, infer, make_inputs, text_request
 

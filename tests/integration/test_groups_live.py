@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc.core.routing import share_of
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import tokens
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import engine_request, infer, make_inputs, scrape

@@ -18,12 +18,12 @@ import grpc
 import httpx2 as httpx
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.grpc import service_pb2 as kv
+from tritonclient.grpc import service_pb2 as kserve_pb
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.testing.certs import Authority
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.conftest import CPU_REPO, _start
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually
@@ -125,11 +125,11 @@ def test_credentials_decide_the_tenant_and_the_role_on_every_front(
 def test_a_revoked_credential_ends_an_open_stream_at_its_next_message(
     guarded: SidecarProcess, tmp_path: Path
 ) -> None:
-    request = kv.ModelInferRequest(model_name="ensemble", id="before")
+    request = kserve_pb.ModelInferRequest(model_name="ensemble", id="before")
     for item in make_inputs(text_request("hello", 2)):
         request.inputs.append(item._get_tensor())
         request.raw_input_contents.append(item._get_content())
-    later = kv.ModelInferRequest()
+    later = kserve_pb.ModelInferRequest()
     later.CopyFrom(request)
     later.id = "after"
     sent: list[bytes] = [request.SerializeToString()]
@@ -142,7 +142,7 @@ def test_a_revoked_credential_ends_an_open_stream_at_its_next_message(
 
     call = guarded.channel().stream_stream(
         "/inference.GRPCInferenceService/ModelStreamInfer",
-        response_deserializer=kv.ModelStreamInferResponse.FromString,
+        response_deserializer=kserve_pb.ModelStreamInferResponse.FromString,
     )(messages(), metadata=bearer(CLIENT_TOKEN), timeout=60)
     first = next(call)
     assert first.infer_response.id == "before" and not first.error_message
@@ -387,14 +387,14 @@ def test_bad_input_is_refused_before_work_with_a_clear_status(sidecar: SidecarPr
 def test_a_malformed_message_ends_model_stream_infer_after_answering_what_it_accepted(
     sidecar: SidecarProcess,
 ) -> None:
-    request = kv.ModelInferRequest(model_name="ensemble", id="first")
+    request = kserve_pb.ModelInferRequest(model_name="ensemble", id="first")
     for item in make_inputs(text_request("hello", 3)):
         request.inputs.append(item._get_tensor())
         request.raw_input_contents.append(item._get_content())
     messages = [request.SerializeToString(), b"\x0a\x02\xff\xfe"]
     call = sidecar.channel().stream_stream(
         "/inference.GRPCInferenceService/ModelStreamInfer",
-        response_deserializer=kv.ModelStreamInferResponse.FromString,
+        response_deserializer=kserve_pb.ModelStreamInferResponse.FromString,
     )(iter(messages))
     answers = []
     with pytest.raises(grpc.RpcError) as caught:

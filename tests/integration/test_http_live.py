@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.testing.certs import Authority
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import STORY
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.test_sidecar import ENGINE, ended_early, useful_tokens
@@ -104,6 +104,23 @@ def test_stop_strings_end_the_answer_with_finish_reason_stop(sidecar: SidecarPro
     )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == text[: text.index(stop)]
+
+
+def test_model_metadata_is_one_answer_on_both_fronts(sidecar: SidecarProcess) -> None:
+    """HTTP and gRPC describe the ensemble from one source, as Triton does: each row's
+    batch_index and sequence_index among the outputs (the HTTP copy used to leave them out)."""
+    http = httpx.get(f"{sidecar.http_url}/v2/models/ensemble").json()
+    over_grpc = grpcclient.InferenceServerClient(sidecar.url).get_model_metadata(
+        "ensemble", as_json=True
+    )
+
+    def tensors(meta: dict[str, Any], key: str) -> list[tuple[str, str, list[int]]]:
+        return [(t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in meta[key]]
+
+    assert http["name"] == over_grpc["name"] == "ensemble"
+    assert tensors(http, "inputs") == tensors(over_grpc, "inputs")
+    assert tensors(http, "outputs") == tensors(over_grpc, "outputs")
+    assert {"batch_index", "sequence_index"} <= {name for name, *_ in tensors(http, "outputs")}
 
 
 def test_triton_generate_and_generate_stream(sidecar: SidecarProcess) -> None:

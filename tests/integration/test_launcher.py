@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from scheduler_svc.errors import BackendStubMissingError, ModelLoadError, PortInUseError
-from scheduler_svc.triton.distribution import TritonDistribution
-from scheduler_svc.triton.launcher import TritonServer, _port_is_free
+from scheduler_svc.tools.triton.distribution import TritonDistribution
+from scheduler_svc.tools.triton.launcher import TritonServer, _port_is_free
 
 IDENTITY_CONFIG = """
 backend: "python"
@@ -191,7 +191,7 @@ def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
 
 ORPHAN_PARENT = """
 import sys, time
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer
 server = TritonServer(sys.argv[1], grpc_port=0, http_port=0, metrics_port=0).start()
 print(server._proc.pid, flush=True)
 time.sleep(600)

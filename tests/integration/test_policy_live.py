@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.triton.launcher import TritonServer, free_port
+from scheduler_svc.serving.tokenizer import load_tokenizer
+from scheduler_svc.tools.triton.launcher import TritonServer, free_port
 from tests.integration.conftest import CPU_REPO
 from tests.integration.prompts import STORY, tokens_of_length
 from tests.integration.sidecar import SidecarProcess, eventually

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc.triton.launcher import TritonServer, free_port
+from scheduler_svc.tools.triton.launcher import TritonServer, free_port
 from tests.integration.sidecar import SidecarProcess
 
 ROOT = Path(__file__).resolve().parents[2]

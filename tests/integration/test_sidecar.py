@@ -13,12 +13,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tritonclient.grpc import service_pb2 as kv
+from tritonclient.grpc import service_pb2 as kserve_pb
 from tritonclient.grpc import service_pb2_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
-from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.serving.tokenizer import load_tokenizer
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, STORY, tokens, tokens_of_length
 from tests.integration.sidecar import SidecarProcess, eventually
 from tests.integration.tritonio import (
@@ -298,7 +298,7 @@ def test_invalid_utf8_and_bad_kserve_tensors_are_invalid_argument(sidecar: Sidec
     # Shapes numpy cannot take, on the engine contract: INVALID_ARGUMENT, not INTERNAL.
     stub = service_pb2_grpc.GRPCInferenceServiceStub(sidecar.channel())
     for shape, needle in (([-2, -3], "none negative"), ([2**32, 2**32], "too large")):
-        message = kv.ModelInferRequest(model_name=ENGINE, id="shape")
+        message = kserve_pb.ModelInferRequest(model_name=ENGINE, id="shape")
         for name in ("input_ids", "input_lengths", "request_output_len"):
             tensor = message.inputs.add()
             tensor.name, tensor.datatype = name, "INT32"

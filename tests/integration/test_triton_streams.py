@@ -8,11 +8,11 @@ import contextlib
 
 import pytest
 
-from scheduler_svc.backends.base import GenerationInput
-from scheduler_svc.backends.triton import TritonBackend
 from scheduler_svc.config import TritonConfig
 from scheduler_svc.errors import DeadlineError
-from scheduler_svc.triton.launcher import TritonServer
+from scheduler_svc.serving.backends.base import GenerationInput
+from scheduler_svc.serving.backends.triton import TritonBackend
+from scheduler_svc.tools.triton.launcher import TritonServer
 from tests.integration.prompts import MIXED, STORY, tokens
 from tests.integration.sidecar import eventually
 from tests.integration.tritonio import engine_metric, engine_request, infer, scrape

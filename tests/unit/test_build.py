@@ -7,7 +7,7 @@ import ast
 import sys
 from pathlib import Path
 
-from scheduler_svc import protogen
+from scheduler_svc.tools import protogen
 
 PACKAGE = Path(__file__).resolve().parents[2] / "scheduler_svc"
 PURE = ("core", "sim", "profiles")

@@ -18,13 +18,13 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from scheduler_svc import modelrepo
 from scheduler_svc.cli import _overrides, build_parser
 from scheduler_svc.config import load_config
 from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.core.types import KvStats, SchedulerStats
 from scheduler_svc.errors import ConfigError
-from scheduler_svc.metrics import SidecarMetrics
+from scheduler_svc.serving.metrics import SidecarMetrics
+from scheduler_svc.tools import modelrepo
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_REPO = ROOT / "model_repo" / "cpu"

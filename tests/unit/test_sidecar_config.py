@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2
 
-from scheduler_svc.backends.base import Batching, EngineProfile
-from scheduler_svc.backends.triton import profile_from_config
 from scheduler_svc.config import load_config
+from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.errors import ConfigError
 from scheduler_svc.profiles import load_profile
+from scheduler_svc.serving.backends.triton import profile_from_config
 
 
 def test_defaults_yaml_and_overrides_merge(tmp_path: Path) -> None:

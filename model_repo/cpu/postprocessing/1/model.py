@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.serving.tokenizer import load_tokenizer
 
 
 class TritonPythonModel:

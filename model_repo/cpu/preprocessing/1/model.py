@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from scheduler_svc.engine.config import DEEPSEEK_V4_END_ID, DEEPSEEK_V4_PAD_ID
-from scheduler_svc.engine.contract import word_lists
-from scheduler_svc.tokenizer import load_tokenizer
+from reference_engine.config import DEEPSEEK_V4_END_ID, DEEPSEEK_V4_PAD_ID
+from scheduler_svc.contracts.trtllm import word_lists
+from scheduler_svc.serving.tokenizer import load_tokenizer
 
 
 def _optional(request: Any, name: str, default: int, rows: int) -> np.ndarray:

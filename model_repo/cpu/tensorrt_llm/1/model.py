@@ -1,4 +1,4 @@
-"""Triton Python-backend adapter for the CPU reference engine (`scheduler_svc.engine`).
+"""Triton Python-backend adapter for the CPU reference engine (`reference_engine`).
 
 Speaks TensorRT-LLM's `tensorrt_llm` contract: decoupled, one response per row (with
 `batch_index`), new tokens per response when streaming, all tokens at the end otherwise; a
@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.contract import parse_request
-from scheduler_svc.engine.engine import EngineStats, build_engine
-from scheduler_svc.engine.errors import EngineError
-from scheduler_svc.engine.request import EngineRequest, Sequence
+from reference_engine.config import EngineConfig
+from reference_engine.contract import parse_request
+from reference_engine.engine import EngineStats, build_engine
+from reference_engine.errors import EngineError
+from reference_engine.request import EngineRequest, RunningSequence
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -224,7 +224,7 @@ class _Metrics:
 def _log_to_stderr() -> None:
     """The engine's own warnings go to stderr, which is Triton's log: through a plain file,
     so a report about a stuck call into the server cannot itself wait on that server."""
-    logger = logging.getLogger("scheduler_svc.engine")
+    logger = logging.getLogger("reference_engine")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("reference engine %(levelname)s: %(message)s"))
@@ -311,7 +311,7 @@ class TritonPythonModel:
     def emit(
         self,
         request: EngineRequest,
-        seq: Sequence,
+        seq: RunningSequence,
         tokens: list[int],
         log_probs: list[float] | None,
         final: bool,

@@ -1,0 +1,145 @@
+"""The primary backend: one or more Tritons serving the same engine model.
+
+Each request (or released batch) goes to a ready endpoint with the fewest requests the sidecar
+has in flight there, then the most free KV blocks at the last reading, then round robin.
+Endpoints that failed their last readiness check are skipped while any other is ready. The
+policy's KV mirror sees the pool's blocks summed over endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
+
+from scheduler_svc.config import TritonConfig
+from scheduler_svc.core.engine import EngineProfile
+from scheduler_svc.serving.backends.base import GenerationInput, Tokens
+from scheduler_svc.serving.backends.kvpoll import read_kv_blocks
+from scheduler_svc.serving.backends.triton import TritonBackend
+
+
+@dataclass
+class Endpoint:
+    backend: TritonBackend
+    metrics_url: str | None
+    ready: bool = True
+    in_flight: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.backend.cfg.url
+
+
+class TritonPool:
+    """A `Backend` over several Triton endpoints (one, unless `triton.replicas` lists more)."""
+
+    def __init__(self, cfg: TritonConfig) -> None:
+        self.cfg = cfg
+        pairs = [(cfg.url, cfg.metrics_url)] + [(r.url, r.metrics_url) for r in cfg.replicas]
+        self.endpoints = [
+            Endpoint(TritonBackend(cfg.model_copy(update={"url": url})), metrics)
+            for url, metrics in pairs
+        ]
+        self._turn = 0
+
+    @property
+    def engine_model(self) -> str:
+        """The first endpoint's engine model (every endpoint serves the same contract)."""
+        return self.endpoints[0].backend.engine_model
+
+    async def start(self) -> None:
+        for endpoint in self.endpoints:
+            await endpoint.backend.start()
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints:
+            await endpoint.backend.close()
+
+    async def ready(self) -> bool:
+        """Check every endpoint (remembering each answer); ready if any one is."""
+        answers = await asyncio.gather(*(e.backend.ready() for e in self.endpoints))
+        for endpoint, answer in zip(self.endpoints, answers, strict=True):
+            endpoint.ready = answer
+        return any(answers)
+
+    async def health(self) -> list[tuple[str, bool]]:
+        """Each endpoint's answer to the last readiness check."""
+        return [(e.url, e.ready) for e in self.endpoints]
+
+    async def profile(self) -> EngineProfile:
+        """The first endpoint's engine; every endpoint runs its own batches, so the pool runs
+        as many at once as they do together. KV counts are the pool's, where readable."""
+        first = await self.first.profile()
+        counts = await self.read_kv()
+        return replace(
+            first,
+            batches_at_once=first.batches_at_once * len(self.endpoints),
+            kv_free_blocks=counts[0] if counts else None,
+            kv_total_blocks=counts[1]
+            if counts
+            else first.kv_total_blocks and first.kv_total_blocks * len(self.endpoints),
+        )
+
+    def pick(self) -> Endpoint:
+        """The ready endpoint with the fewest requests in flight, then the most free KV blocks;
+        ties go round robin."""
+        candidates = [e for e in self.endpoints if e.ready] or self.endpoints
+        n = len(self.endpoints)
+        turn = self._turn
+        self._turn += 1
+
+        def key(e: Endpoint) -> tuple[int, int, int]:
+            return (e.in_flight, -e.free_blocks, (self.endpoints.index(e) - turn) % n)
+
+        return min(candidates, key=key)
+
+    async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
+        endpoint = self.pick()
+        endpoint.in_flight += 1
+        try:
+            async with contextlib.aclosing(endpoint.backend.stream(request)) as answers:
+                async for tokens in answers:
+                    yield tokens
+        finally:
+            endpoint.in_flight -= 1
+
+    async def stream_batch(
+        self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
+    ) -> AsyncGenerator[tuple[int, Tokens], None]:
+        endpoint = self.pick()
+        endpoint.in_flight += len(rows)
+        try:
+            answers = endpoint.backend.stream_batch(request_id, rows, timeout_s)
+            async with contextlib.aclosing(answers) as stream:
+                async for row, tokens in stream:
+                    yield row, tokens
+        finally:
+            endpoint.in_flight -= len(rows)
+
+    async def read_kv(self) -> tuple[int, int] | None:
+        """Free and total KV blocks summed over the endpoints whose counts could be read (each
+        endpoint's reading is kept for `pick`); None if none could."""
+        readable = [e for e in self.endpoints if e.metrics_url is not None]
+        counts = await asyncio.gather(
+            *(
+                read_kv_blocks(
+                    e.metrics_url or "", e.backend.engine_model, self.cfg.connect_timeout_s
+                )
+                for e in readable
+            )
+        )
+        free = total = 0
+        seen = False
+        for endpoint, reading in zip(readable, counts, strict=True):
+            if reading is not None:
+                endpoint.free_blocks, endpoint.total_blocks = reading
+                free, total, seen = free + reading[0], total + reading[1], True
+        return (free, total) if seen else None
+
+    @property
+    def first(self) -> TritonBackend:
+        return self.endpoints[0].backend

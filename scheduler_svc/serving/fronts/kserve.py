@@ -1,0 +1,704 @@
+"""Triton's own `inference.GRPCInferenceService` (KServe v2) for the ensemble text contract.
+
+A stock tritonclient program points at the sidecar instead of Triton: `text_input`, `max_tokens`,
+`stream` and the optional `temperature` / `top_k` / `top_p` / `random_seed` in, `text_output` out,
+unary (`ModelInfer`) or streaming (`ModelStreamInfer`, one response per text delta when `stream`
+is true, the last flagged `triton_final_response`); with `return_log_probs`, each response also
+carries its tokens' `output_log_probs` and the row's `cum_log_probs`. Triton's request
+parameters `priority` (1 is most urgent) and `timeout` (microseconds in the queue) are honoured
+here.
+
+Over 500 lines until the fronts' shared presentation (hold a delta until it has text, the
+stream's replies) moves out of the three fronts into one place (issue 30's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import structlog
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as kserve_pb
+from tritonclient.grpc import service_pb2_grpc as kserve_grpc
+
+from scheduler_svc import __version__
+from scheduler_svc.errors import (
+    BadRequestError,
+    InternalError,
+    OverloadedError,
+    RequestError,
+    UnknownModelError,
+    UnsupportedError,
+    clip,
+    grpc_status,
+)
+from scheduler_svc.serving.fronts.kserve_engine import (
+    engine_batch_response,
+    engine_response,
+    parse_engine_request,
+)
+from scheduler_svc.serving.fronts.kserve_params import (
+    INDEX_OUTPUTS,
+    LOG_PROB_OUTPUTS,
+    MAX_ROWS,
+    NUMPY_DTYPES,
+    add_log_probs,
+    add_row_index,
+    refuse_what_the_engine_cannot_do,
+    request_parameter,
+    route_parameters,
+    triton_urgency,
+    typed_contents,
+)
+from scheduler_svc.serving.fronts.status import Context
+from scheduler_svc.serving.service import Delta, GenerationParams, GenerationService
+
+SERVICE = "inference.GRPCInferenceService"
+MAX_NAME_CHARS = 256
+
+log = structlog.get_logger("scheduler_svc.kserve")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    datatype: str
+    config_type: int
+    optional: bool
+    words: bool = False  # a list of words per request ([1, n]), not one value
+
+
+INPUTS: dict[str, _Spec] = {
+    "text_input": _Spec("BYTES", mc.TYPE_STRING, False),
+    "max_tokens": _Spec("INT32", mc.TYPE_INT32, False),
+    "stream": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "temperature": _Spec("FP32", mc.TYPE_FP32, True),
+    "top_k": _Spec("INT32", mc.TYPE_INT32, True),
+    "top_p": _Spec("FP32", mc.TYPE_FP32, True),
+    "random_seed": _Spec("UINT64", mc.TYPE_UINT64, True),
+    "end_id": _Spec("INT32", mc.TYPE_INT32, True),
+    "pad_id": _Spec("INT32", mc.TYPE_INT32, True),
+    "bad_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
+    "stop_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
+    "length_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "repetition_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "min_length": _Spec("INT32", mc.TYPE_INT32, True),
+    "presence_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "frequency_penalty": _Spec("FP32", mc.TYPE_FP32, True),
+    "beam_width": _Spec("INT32", mc.TYPE_INT32, True),
+    "return_log_probs": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "return_context_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "return_generation_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
+    "exclude_input_in_output": _Spec("BOOL", mc.TYPE_BOOL, True),
+}
+
+OUTPUT = "text_output"
+
+
+def ensemble_metadata(model: str) -> dict[str, Any]:
+    """The text ensemble's metadata as Triton reports it: what the gRPC and the HTTP front both
+    answer for `model` (inputs [rows, n], outputs with each row's batch and sequence index)."""
+    return {
+        "name": model,
+        "versions": ["1"],
+        "platform": "ensemble",
+        "inputs": [
+            {"name": name, "datatype": spec.datatype, "shape": [-1, -1 if spec.words else 1]}
+            for name, spec in INPUTS.items()
+        ],
+        "outputs": [
+            {"name": OUTPUT, "datatype": "BYTES", "shape": [-1, -1]},
+            {"name": "cum_log_probs", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "output_log_probs", "datatype": "FP32", "shape": [-1, -1, -1]},
+            *({"name": name, "datatype": "INT32", "shape": [-1, 1]} for name in INDEX_OUTPUTS),
+        ],
+    }
+
+
+TEXT_OUTPUTS = (OUTPUT, *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
+
+
+def _deserialize_bytes(raw: bytes) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then data."""
+    items, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise BadRequestError("text_input: truncated BYTES tensor")
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise BadRequestError("text_input: truncated BYTES tensor")
+        items.append(raw[offset : offset + size])
+        offset += size
+    return items
+
+
+def _serialize_bytes(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _values(
+    request: kserve_pb.ModelInferRequest,
+    index: int,
+    tensor: kserve_pb.ModelInferRequest.InferInputTensor,
+) -> list[object]:
+    name, spec = tensor.name, INPUTS[tensor.name]
+    if index < len(request.raw_input_contents):
+        raw = request.raw_input_contents[index]
+        if spec.datatype == "BYTES":
+            return list(_deserialize_bytes(raw))
+        try:
+            return list(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.datatype]).tolist())
+        except ValueError:
+            raise BadRequestError(
+                f"{name}: {len(raw)} bytes do not hold {spec.datatype} values"
+            ) from None
+    return typed_contents(tensor, spec.datatype)
+
+
+def parse_infer_request(
+    request: kserve_pb.ModelInferRequest, model: str, time_remaining_s: float | None
+) -> tuple[list[GenerationParams], bool]:
+    """The generation parameters of each row of a text-contract request ([N, 1] tensors, N
+    rows; a [1, 1] tensor applies to every row), and whether it streams."""
+    if request.model_name != model:
+        raise UnknownModelError(
+            f"model {clip(request.model_name)} is not served here (try '{model}')"
+        )
+    columns: dict[str, list[object]] = {}
+    rows = 1
+    for index, tensor in enumerate(request.inputs):
+        spec = INPUTS.get(tensor.name)
+        if spec is None:
+            raise BadRequestError(f"unknown input {clip(tensor.name)} for model '{model}'")
+        if tensor.datatype != spec.datatype:
+            raise BadRequestError(
+                f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected "
+                f"{spec.datatype}"
+            )
+        shape = list(tensor.shape)
+        if len(shape) != 2 or not 1 <= shape[0] <= MAX_ROWS or (shape[1] != 1 and not spec.words):
+            want = "[rows, n] words" if spec.words else "[rows, 1]"
+            raise BadRequestError(
+                f"input '{tensor.name}' has shape {shape[:4]}: expected {want}, at most "
+                f"{MAX_ROWS} rows"
+            )
+        items = _values(request, index, tensor)
+        if len(items) != shape[0] * shape[1]:
+            raise BadRequestError(
+                f"input '{tensor.name}': {len(items)} values do not fill shape {shape}"
+            )
+        width = shape[1]
+        columns[tensor.name] = (
+            [items[r * width : (r + 1) * width] for r in range(shape[0])] if spec.words else items
+        )
+        if tensor.name == "text_input":
+            rows = shape[0]
+    for name, column in columns.items():
+        if len(column) not in (1, rows):
+            raise BadRequestError(
+                f"input '{name}' has {len(column)} rows; text_input has {rows} (or give 1)"
+            )
+    for output in request.outputs:
+        if output.name not in TEXT_OUTPUTS:
+            raise BadRequestError(
+                f"unknown output {clip(output.name)} (this model has {TEXT_OUTPUTS})"
+            )
+    timeout_us = request_parameter(request, "timeout")
+    priority = request_parameter(request, "priority")
+    session, precision = route_parameters(request)
+    params = [
+        replace(
+            params_from_inputs(
+                {name: column[r if len(column) > 1 else 0] for name, column in columns.items()},
+                request.id,
+                priority,
+                timeout_us,
+                time_remaining_s,
+            ),
+            session=session,
+            precision=precision,
+        )
+        for r in range(rows)
+    ]
+    stream = columns.get("stream", [False])
+    return params, bool(stream[0])
+
+
+def params_from_inputs(
+    values: dict[str, object],
+    request_id: str,
+    priority: int | None,
+    timeout_us: int | None,
+    time_remaining_s: float | None,
+) -> GenerationParams:
+    """The generation parameters of the ensemble's inputs (checked against INPUTS: names and
+    types) and Triton's request parameters `priority` and `timeout`."""
+    for name, spec in INPUTS.items():
+        if not spec.optional and name not in values:
+            raise BadRequestError(f"missing required input '{name}'")
+    raw_text = values["text_input"]
+    if isinstance(raw_text, str):
+        text = raw_text
+    else:
+        assert isinstance(raw_text, bytes)
+        try:
+            text = raw_text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequestError(
+                f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            ) from None
+    if timeout_us is not None and timeout_us < 0:
+        raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
+    refuse_what_the_engine_cannot_do(values)
+    # length_penalty only ranks beams: with one beam it changes nothing, so it is accepted.
+
+    def number(name: str, default: float) -> float:
+        return float(values.get(name, default))  # type: ignore[arg-type]
+
+    return GenerationParams(
+        request_id=request_id,
+        prompt=text,
+        max_tokens=int(values["max_tokens"]),  # type: ignore[call-overload]
+        temperature=number("temperature", 0.0),
+        top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
+        top_p=number("top_p", 0.0),
+        seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
+        end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
+        pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
+        stop_words=_words(values.get("stop_words"), "stop_words"),
+        bad_words=_words(values.get("bad_words"), "bad_words"),
+        min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
+        repetition_penalty=number("repetition_penalty", 1.0),
+        presence_penalty=number("presence_penalty", 0.0),
+        frequency_penalty=number("frequency_penalty", 0.0),
+        return_log_probs=bool(values.get("return_log_probs", False)),
+        urgency=triton_urgency(priority),
+        queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
+        time_remaining_s=time_remaining_s,
+    )
+
+
+def _words(value: object, name: str) -> tuple[str, ...]:
+    """A words input as text: each element one word (empty ones dropped)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for item in items:
+        word = item
+        if isinstance(item, bytes):
+            try:
+                word = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequestError(f"{name}: a word is not valid UTF-8") from None
+        if not isinstance(word, str):
+            raise BadRequestError(f"{name}: expected text, got {clip(repr(word))}")
+        if word:
+            out.append(word)
+    return tuple(out)
+
+
+def _response(
+    request: kserve_pb.ModelInferRequest,
+    texts: list[str],
+    final: bool | None = None,
+    row: int | None = None,
+    log_probs: list[tuple[float, ...] | None] | None = None,
+    cums: list[float] | None = None,
+) -> kserve_pb.ModelInferResponse:
+    """text_output [rows, 1]; the log-probability outputs where a row asked; with `row`, one
+    row's answer and its batch_index, as Triton streams the rows of a batched request."""
+    response = kserve_pb.ModelInferResponse(
+        model_name=request.model_name, model_version="1", id=request.id
+    )
+    out = response.outputs.add()
+    out.name, out.datatype = OUTPUT, "BYTES"
+    out.shape.extend([len(texts), 1])
+    response.raw_output_contents.append(_serialize_bytes([t.encode("utf-8") for t in texts]))
+    if log_probs is not None:
+        add_log_probs(response, log_probs, cums or [0.0] * len(texts))
+    if row is not None:
+        add_row_index(response, row)
+    if final is not None:
+        response.parameters["triton_final_response"].bool_param = final
+    return response
+
+
+class TritonCalls(Protocol):
+    """Where calls the sidecar does not answer itself go: Triton (SidecarControls)."""
+
+    async def triton_call(self, method: str, request: Any, every: bool = False) -> Any: ...
+
+
+# Triton extensions a client can use through the sidecar; shared memory is not one of them.
+_NOT_THROUGH_THE_SIDECAR = ("shared_memory",)
+_NO_SHARED_MEMORY = (
+    "shared memory is not available through the sidecar: it cannot see the client's memory "
+    "(send the tensors in the request)"
+)
+
+
+class KServeFront(kserve_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The ensemble text contract is served here; the rest of Triton's service (repository,
+    statistics, trace and log settings, other models' metadata) passes through to Triton."""
+
+    def __init__(self, service: GenerationService, triton: TritonCalls | None = None) -> None:
+        self.service = service
+        self.triton = triton
+
+    @property
+    def engine_model(self) -> str:
+        return self.service.engine_model
+
+    @property
+    def model(self) -> str:
+        return self.service.text_model
+
+    async def _through(self, method: str, request: Any, every: bool = False) -> Any:
+        if self.triton is None:
+            raise UnsupportedError(f"{method}: no Triton behind this sidecar to pass it to")
+        return await self.triton.triton_call(method, request, every)
+
+    def _ready(self) -> bool:
+        return self.service.backend_ready and not self.service.draining
+
+    # -- health and metadata -----------------------------------------------------------------
+
+    async def ServerLive(
+        self, request: kserve_pb.ServerLiveRequest, context: Context
+    ) -> kserve_pb.ServerLiveResponse:
+        return kserve_pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: kserve_pb.ServerReadyRequest, context: Context
+    ) -> kserve_pb.ServerReadyResponse:
+        return kserve_pb.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(
+        self, request: kserve_pb.ModelReadyRequest, context: Context
+    ) -> kserve_pb.ModelReadyResponse:
+        if request.name != self.model:
+            return await self._through("ModelReady", request)
+        return kserve_pb.ModelReadyResponse(ready=self._ready())
+
+    async def ServerMetadata(
+        self, request: kserve_pb.ServerMetadataRequest, context: Context
+    ) -> kserve_pb.ServerMetadataResponse:
+        """Our name and version; Triton's extensions, less those that cannot work through a
+        sidecar (shared memory)."""
+        extensions: list[str] = []
+        if self.triton is not None and self.service.backend_ready:
+            with contextlib.suppress(RequestError):
+                triton = await self._through("ServerMetadata", request)
+                extensions = [
+                    e
+                    for e in triton.extensions
+                    if not any(word in e for word in _NOT_THROUGH_THE_SIDECAR)
+                ]
+        return kserve_pb.ServerMetadataResponse(
+            name="scheduler_svc", version=__version__, extensions=extensions
+        )
+
+    async def ModelMetadata(
+        self, request: kserve_pb.ModelMetadataRequest, context: Context
+    ) -> kserve_pb.ModelMetadataResponse:
+        if request.name != self.model:
+            return await self._through("ModelMetadata", request)
+        return json_format.ParseDict(
+            ensemble_metadata(self.model), kserve_pb.ModelMetadataResponse()
+        )
+
+    async def ModelConfig(
+        self, request: kserve_pb.ModelConfigRequest, context: Context
+    ) -> kserve_pb.ModelConfigResponse:
+        if request.name != self.model:
+            return await self._through("ModelConfig", request)
+        config = mc.ModelConfig(name=self.model, platform="ensemble", max_batch_size=MAX_ROWS)
+        for name, spec in INPUTS.items():
+            config.input.add(
+                name=name,
+                data_type=spec.config_type,
+                dims=[-1 if spec.words else 1],
+                optional=spec.optional,
+            )
+        config.output.add(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
+        config.output.add(name="cum_log_probs", data_type=mc.TYPE_FP32, dims=[-1])
+        config.output.add(name="output_log_probs", data_type=mc.TYPE_FP32, dims=[-1, -1])
+        for name in INDEX_OUTPUTS:
+            config.output.add(name=name, data_type=mc.TYPE_INT32, dims=[1])
+        config.model_transaction_policy.decoupled = True
+        return kserve_pb.ModelConfigResponse(config=config)
+
+    # -- passed through to Triton ------------------------------------------------------------
+
+    async def ModelStatistics(
+        self, request: kserve_pb.ModelStatisticsRequest, context: Context
+    ) -> kserve_pb.ModelStatisticsResponse:
+        return await self._through("ModelStatistics", request)
+
+    async def RepositoryIndex(
+        self, request: kserve_pb.RepositoryIndexRequest, context: Context
+    ) -> kserve_pb.RepositoryIndexResponse:
+        return await self._through("RepositoryIndex", request)
+
+    async def RepositoryModelLoad(
+        self, request: kserve_pb.RepositoryModelLoadRequest, context: Context
+    ) -> kserve_pb.RepositoryModelLoadResponse:
+        return await self._through("RepositoryModelLoad", request, every=True)
+
+    async def RepositoryModelUnload(
+        self, request: kserve_pb.RepositoryModelUnloadRequest, context: Context
+    ) -> kserve_pb.RepositoryModelUnloadResponse:
+        return await self._through("RepositoryModelUnload", request, every=True)
+
+    async def TraceSetting(
+        self, request: kserve_pb.TraceSettingRequest, context: Context
+    ) -> kserve_pb.TraceSettingResponse:
+        return await self._through("TraceSetting", request)
+
+    async def LogSettings(
+        self, request: kserve_pb.LogSettingsRequest, context: Context
+    ) -> kserve_pb.LogSettingsResponse:
+        return await self._through("LogSettings", request)
+
+    async def _no_shared_memory(self, request: Any, context: Context) -> Any:
+        raise UnsupportedError(_NO_SHARED_MEMORY)
+
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = _no_shared_memory
+    SystemSharedMemoryUnregister = CudaSharedMemoryStatus = _no_shared_memory
+    CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _no_shared_memory
+
+    # -- inference ---------------------------------------------------------------------------
+
+    def _is_engine(self, request: kserve_pb.ModelInferRequest) -> bool:
+        """A request for the engine model itself (token ids): scheduled through the same path."""
+        name = str(request.model_name)
+        return name == self.engine_model and name != self.model
+
+    def _check_version(self, request: kserve_pb.ModelInferRequest) -> None:
+        if request.model_version not in ("", "1"):
+            raise UnknownModelError(
+                f"model {clip(request.model_name)} version {clip(request.model_version)} is "
+                "not served here (version 1 is)"
+            )
+
+    async def ModelInfer(
+        self, request: kserve_pb.ModelInferRequest, context: Context
+    ) -> kserve_pb.ModelInferResponse:
+        """Every row scheduled on its own, side by side; one answer with every row."""
+        self._check_version(request)
+        if self._is_engine(request):
+            rows, _ = parse_engine_request(request, context.time_remaining())
+            finals = await _side_by_side([self.service.answer(params) for params in rows])
+            return engine_batch_response(request, finals, self.service.cfg.model.pad_id)
+        rows, _ = parse_infer_request(request, self.model, context.time_remaining())
+        finals = await _side_by_side([self.service.answer(params) for params in rows])
+        asked = any(f.log_probs is not None for f in finals)
+        return _response(
+            request,
+            [f.text for f in finals],
+            log_probs=[f.log_probs for f in finals] if asked else None,
+            cums=[sum(f.log_probs or ()) for f in finals],
+        )
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[kserve_pb.ModelInferRequest],
+        context: Context,
+    ) -> AsyncIterator[kserve_pb.ModelStreamInferResponse]:
+        """Requests on one stream run side by side. Each gets exactly one final answer or one
+        error carrying its id. At most `server.max_stream_requests` are unanswered at once (one
+        more is refused in-band); answers wait in a bounded buffer, so a client that stops
+        reading holds up its own requests only. A malformed message ends the stream
+        INVALID_ARGUMENT once the requests already in it are answered."""
+        cap = self.service.cfg.server.max_stream_requests
+        out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None] = asyncio.Queue(
+            maxsize=2 * cap
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        broken: list[RequestError] = []
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    if len(tasks) >= cap:
+                        await out.put(
+                            _stream_error(
+                                request,
+                                OverloadedError(
+                                    f"{cap} requests are unanswered on this stream "
+                                    "(server.max_stream_requests); wait for one or open "
+                                    "another stream",
+                                    0.1,
+                                ),
+                            )
+                        )
+                        continue
+                    task = asyncio.create_task(self._one_streamed(request, out, context))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            except RequestError as exc:  # a malformed message: no more requests from here
+                broken.append(exc)
+            finally:
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+            if broken:
+                raise broken[0]
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _one_streamed(
+        self,
+        request: kserve_pb.ModelInferRequest,
+        out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None],
+        context: Context,
+    ) -> None:
+        """One request of a stream: its rows scheduled side by side. A batched request's
+        responses carry batch_index; the very last one is flagged final. One row's error ends
+        the request with that error, and its other rows are cancelled."""
+        try:
+            self._check_version(request)
+            engine = self._is_engine(request)
+            if engine:
+                rows, stream = parse_engine_request(request, context.time_remaining())
+            else:
+                rows, stream = parse_infer_request(request, self.model, context.time_remaining())
+            left = [len(rows)]
+            row = (lambda r: r) if len(rows) > 1 else (lambda r: None)
+            streamed = self._engine_row_streamed if engine else self._row_streamed
+            await _side_by_side(
+                [
+                    streamed(request, params, stream, row(r), left, out)
+                    for r, params in enumerate(rows)
+                ]
+            )
+        except RequestError as exc:
+            await out.put(_stream_error(request, exc))
+        except Exception as exc:  # a bug: this request still gets its one answer
+            error_id = uuid.uuid4().hex[:12]
+            log.error("internal error", method="ModelStreamInfer", error_id=error_id, exc_info=exc)
+            self.service.loop.metrics.internal_errors.labels("ModelStreamInfer").inc()
+            await out.put(
+                _stream_error(request, InternalError(f"internal error {error_id} (logged)"))
+            )
+
+    async def _engine_row_streamed(
+        self,
+        request: kserve_pb.ModelInferRequest,
+        params: GenerationParams,
+        stream: bool,
+        row: int | None,
+        left: list[int],
+        out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None],
+    ) -> None:
+        """One row of an engine-contract request: new token ids per response when streaming,
+        else all of them at the end."""
+
+        def answer(piece: Delta, cum: float, final: bool) -> kserve_pb.ModelStreamInferResponse:
+            response = engine_response(request, piece, cum, final, row)
+            return kserve_pb.ModelStreamInferResponse(infer_response=response)
+
+        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.token_ids))
+
+    async def _row_streamed(
+        self,
+        request: kserve_pb.ModelInferRequest,
+        params: GenerationParams,
+        stream: bool,
+        row: int | None,
+        left: list[int],
+        out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None],
+    ) -> None:
+        """One row of a text request: a response per text delta when streaming, else one."""
+
+        def answer(piece: Delta, cum: float, final: bool) -> kserve_pb.ModelStreamInferResponse:
+            probs: list[tuple[float, ...] | None] = [piece.log_probs]
+            asked = piece.log_probs is not None
+            response = _response(request, [piece.text], final, row, probs if asked else None, [cum])
+            return kserve_pb.ModelStreamInferResponse(infer_response=response)
+
+        await self._stream_row(params, stream, left, out, answer, lambda p: bool(p.text))
+
+    async def _stream_row(
+        self,
+        params: GenerationParams,
+        stream: bool,
+        left: list[int],
+        out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None],
+        answer: Callable[[Delta, float, bool], kserve_pb.ModelStreamInferResponse],
+        shows: Callable[[Delta], bool],
+    ) -> None:
+        """Generate one row and answer it: each piece that `shows` something (held back one,
+        so the very last response of the request can be flagged final), or the whole row at
+        the end. A delta that shows nothing (ids whose text is not complete yet) rides with
+        the next one, so every token's log probability goes out exactly once."""
+        held: Delta | None = None
+        carry = Delta()
+        cum = 0.0  # the row's log probabilities so far, up to the held piece
+        async with contextlib.aclosing(self.service.generate(params)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    if not stream:
+                        continue
+                    piece = carry + event
+                    if not shows(piece):
+                        carry = piece
+                        continue
+                    if held is not None:
+                        cum += sum(held.log_probs or ())
+                        await out.put(answer(held, cum, False))
+                    held, carry = piece, Delta()
+                    continue
+                left[0] -= 1
+                if stream:
+                    last = (held or Delta()) + carry
+                    cum += sum(last.log_probs or ())
+                else:
+                    last = Delta(event.text, event.token_ids, event.log_probs)
+                    cum = sum(last.log_probs or ())
+                await out.put(answer(last, cum, left[0] == 0))
+                return
+        raise InternalError("generation ended without a final answer")
+
+
+async def _side_by_side(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run every row at once; the first failure cancels the others and is raised as it is."""
+    tasks = [asyncio.create_task(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _stream_error(
+    request: kserve_pb.ModelInferRequest, error: RequestError
+) -> kserve_pb.ModelStreamInferResponse:
+    """An in-band error for one request of a stream, carrying its id (and status code name)."""
+    return kserve_pb.ModelStreamInferResponse(
+        error_message=f"[{grpc_status(error).name}] {error}",
+        infer_response=kserve_pb.ModelInferResponse(
+            model_name=request.model_name[:MAX_NAME_CHARS], model_version="1", id=request.id
+        ),
+    )

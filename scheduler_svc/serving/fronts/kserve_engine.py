@@ -1,0 +1,277 @@
+"""The `tensorrt_llm` engine contract on the KServe front: token ids in, token ids out.
+
+TensorRT-LLM clients that talk to the engine model itself (`input_ids`, `input_lengths`,
+`request_output_len`, ...) point at the sidecar unchanged: each row becomes a request of the
+same `GenerationService` (the same lanes, quotas and KV admission as text requests) and the
+answer has the engine's shape: `output_ids` [1, 1, tokens], `sequence_length` [1, 1],
+`output_log_probs` [1, 1, tokens] and `cum_log_probs` [1, 1] where `return_log_probs` asks, and
+`batch_index` / `sequence_index` for the rows of a batched request; streamed (`streaming` true)
+one response per chunk of new tokens, else one per row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from tritonclient.grpc import service_pb2 as kserve_pb
+
+from scheduler_svc.errors import BadRequestError, clip
+from scheduler_svc.serving.fronts.kserve_params import (
+    INDEX_OUTPUTS,
+    LOG_PROB_OUTPUTS,
+    MAX_ROWS,
+    NUMPY_DTYPES,
+    add_log_probs,
+    add_row_index,
+    refuse_what_the_engine_cannot_do,
+    request_parameter,
+    route_parameters,
+    triton_urgency,
+    typed_contents,
+)
+from scheduler_svc.serving.service import Delta, Final, GenerationParams
+
+MAX_DIMS = 4  # the contract's tensors have at most three ([rows, 2, n] word lists)
+MAX_ELEMENTS = 2**32  # far above any message the server accepts
+
+
+@dataclass(frozen=True)
+class _In:
+    datatype: str
+    kind: str  # ids: [rows, tokens]; one: a value per row; words: [rows, 2, n]
+    required: bool = False
+
+
+ENGINE_INPUTS: dict[str, _In] = {
+    "input_ids": _In("INT32", "ids", True),
+    "input_lengths": _In("INT32", "one", True),
+    "request_output_len": _In("INT32", "one", True),
+    "end_id": _In("INT32", "one"),
+    "pad_id": _In("INT32", "one"),
+    "streaming": _In("BOOL", "one"),
+    "stop": _In("BOOL", "one"),
+    "temperature": _In("FP32", "one"),
+    "runtime_top_k": _In("INT32", "one"),
+    "runtime_top_p": _In("FP32", "one"),
+    "random_seed": _In("UINT64", "one"),
+    "stop_words_list": _In("INT32", "words"),
+    "bad_words_list": _In("INT32", "words"),
+    "min_length": _In("INT32", "one"),
+    "repetition_penalty": _In("FP32", "one"),
+    "presence_penalty": _In("FP32", "one"),
+    "frequency_penalty": _In("FP32", "one"),
+    "len_penalty": _In("FP32", "one"),
+    "beam_width": _In("INT32", "one"),
+    "return_log_probs": _In("BOOL", "one"),
+    "return_context_logits": _In("BOOL", "one"),
+    "return_generation_logits": _In("BOOL", "one"),
+    "exclude_input_in_output": _In("BOOL", "one"),
+}
+OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
+
+
+def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.generic]:
+    tensor = request.inputs[index]
+    spec = ENGINE_INPUTS[tensor.name]
+    if tensor.datatype != spec.datatype:
+        raise BadRequestError(
+            f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected {spec.datatype}"
+        )
+    shape = list(tensor.shape)
+    # Checked before numpy sees it: a negative or huge dimension (whose product overflows
+    # numpy's 64 bits) must be the client's error, never a failed reshape.
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise BadRequestError(
+            f"input '{tensor.name}': shape {shape[: MAX_DIMS + 1]} needs at most {MAX_DIMS} "
+            "dimensions, none negative"
+        )
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses even an empty one
+        raise BadRequestError(f"input '{tensor.name}': shape {shape} is too large")
+    dtype = np.dtype(NUMPY_DTYPES[spec.datatype])
+    if index < len(request.raw_input_contents):
+        raw = request.raw_input_contents[index]
+        if len(raw) % dtype.itemsize:
+            raise BadRequestError(
+                f"input '{tensor.name}': {len(raw)} raw bytes are not whole {spec.datatype} values"
+            )
+        flat = np.frombuffer(raw, dtype=dtype)
+    else:
+        flat = np.asarray(typed_contents(tensor, spec.datatype), dtype=dtype)
+    if math.prod(shape) != flat.size:
+        raise BadRequestError(
+            f"input '{tensor.name}': {flat.size} values do not fill {shape[: MAX_DIMS + 1]}"
+        )
+    return flat.reshape(shape)
+
+
+def _words(
+    array: npt.NDArray[np.generic], row: int, rows: int, name: str
+) -> tuple[tuple[int, ...], ...]:
+    """One row of TensorRT-LLM's word-list layout: ids end to end, then end offsets (-1 pad)."""
+    if array.ndim == 2:
+        array = array.reshape(1, *array.shape)
+    if array.ndim != 3 or array.shape[1] != 2:
+        raise BadRequestError(f"{name}: expected shape [rows, 2, n], got {list(array.shape)}")
+    if array.shape[0] not in (1, rows):
+        raise BadRequestError(f"{name}: {array.shape[0]} rows of words for {rows} rows")
+    ids, offsets = array[row if array.shape[0] > 1 else 0].astype(np.int64)
+    words, start = [], 0
+    for end in (int(o) for o in offsets if o >= 0):
+        if not start < end <= len(ids):
+            raise BadRequestError(f"{name}: offsets must rise within the {len(ids)} ids")
+        words.append(tuple(int(t) for t in ids[start:end]))
+        start = end
+    return tuple(words)
+
+
+def parse_engine_request(
+    request: kserve_pb.ModelInferRequest, time_remaining_s: float | None
+) -> tuple[list[GenerationParams], bool]:
+    """Each row's generation parameters, and whether the answer streams."""
+    arrays: dict[str, npt.NDArray[np.generic]] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name not in ENGINE_INPUTS:
+            known = ", ".join(ENGINE_INPUTS)
+            raise BadRequestError(
+                f"unknown input {clip(tensor.name)} for model '{request.model_name}' ({known})"
+            )
+        arrays[tensor.name] = _array(request, index)
+    for name, spec in ENGINE_INPUTS.items():
+        if spec.required and name not in arrays:
+            raise BadRequestError(f"missing required input '{name}'")
+    for output in request.outputs:
+        if output.name not in OUTPUTS:
+            raise BadRequestError(f"unknown output {clip(output.name)} (this model has {OUTPUTS})")
+    ids = arrays["input_ids"]
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    if ids.ndim != 2 or not 1 <= ids.shape[0] <= MAX_ROWS:
+        raise BadRequestError(
+            f"input_ids: expected shape [rows, tokens], at most {MAX_ROWS} rows, got "
+            f"{list(arrays['input_ids'].shape)}"
+        )
+    rows = ids.shape[0]
+    one: dict[str, npt.NDArray[np.generic]] = {}
+    for name, array in arrays.items():
+        if ENGINE_INPUTS[name].kind != "one":
+            continue
+        flat = array.reshape(-1)
+        if flat.size not in (1, rows):
+            raise BadRequestError(f"input '{name}': {flat.size} values for {rows} rows")
+        one[name] = flat
+    if "stop" in one and bool(one["stop"].any()):
+        raise BadRequestError(
+            "stop: request ids are labels here, not handles; cancel the call (or close the "
+            "stream) to stop a request"
+        )
+
+    def value(name: str, r: int) -> object | None:
+        flat = one.get(name)
+        return None if flat is None else flat[r if flat.size > 1 else 0].item()
+
+    priority = request_parameter(request, "priority")
+    timeout_us = request_parameter(request, "timeout")
+    session, precision = route_parameters(request)
+    if timeout_us is not None and timeout_us < 0:
+        raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
+    out = []
+    for r in range(rows):
+        row = {name: value(name, r) for name in one}
+        refuse_what_the_engine_cannot_do({k: v for k, v in row.items() if v is not None})
+        length = int(row["input_lengths"])  # type: ignore[call-overload]
+        if not 1 <= length <= ids.shape[1]:
+            raise BadRequestError(
+                f"input_lengths: row {r} claims {length} tokens; input_ids rows hold {ids.shape[1]}"
+            )
+        top_k = int(row.get("runtime_top_k") or 0)  # type: ignore[call-overload]
+        top_p = float(row.get("runtime_top_p") or 0.0)  # type: ignore[arg-type]
+        temperature = float(row.get("temperature", 1.0) or 0.0)  # type: ignore[arg-type]
+        if top_k == 0 and top_p == 0.0:
+            temperature = 0.0  # TensorRT-LLM decodes greedily then, whatever the temperature
+
+        def number(name: str, default: float, row: dict[str, object] = row) -> float:
+            got = row.get(name)
+            return default if got is None else float(got)  # type: ignore[arg-type]
+
+        end_id, pad_id = row.get("end_id"), row.get("pad_id")
+        out.append(
+            GenerationParams(
+                request_id=request.id,
+                token_ids=tuple(int(t) for t in ids[r, :length]),
+                max_tokens=int(row["request_output_len"]),  # type: ignore[call-overload]
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
+                end_id=None if end_id is None else int(end_id),  # type: ignore[call-overload]
+                pad_id=None if pad_id is None else int(pad_id),  # type: ignore[call-overload]
+                stop_word_ids=_words(arrays["stop_words_list"], r, rows, "stop_words_list")
+                if "stop_words_list" in arrays
+                else (),
+                bad_word_ids=_words(arrays["bad_words_list"], r, rows, "bad_words_list")
+                if "bad_words_list" in arrays
+                else (),
+                min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]
+                repetition_penalty=number("repetition_penalty", 1.0),
+                presence_penalty=number("presence_penalty", 0.0),
+                frequency_penalty=number("frequency_penalty", 0.0),
+                return_log_probs=bool(row.get("return_log_probs") or False),
+                urgency=triton_urgency(priority),
+                queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
+                time_remaining_s=time_remaining_s,
+                session=session,
+                precision=precision,
+            )
+        )
+    return out, bool(value("streaming", 0) or False)
+
+
+def engine_response(
+    request: kserve_pb.ModelInferRequest, piece: Delta, cum: float, final: bool, row: int | None
+) -> kserve_pb.ModelInferResponse:
+    """output_ids [1, 1, tokens] and sequence_length [1, 1] (one beam), the log-probability
+    outputs where the row asked, and batch_index / sequence_index for a row of a batched
+    request."""
+    response = kserve_pb.ModelInferResponse(
+        model_name=request.model_name, model_version="1", id=request.id
+    )
+    tokens = piece.token_ids
+    for name, shape, data in (
+        ("output_ids", [1, 1, len(tokens)], np.asarray(tokens, dtype="<i4")),
+        ("sequence_length", [1, 1], np.asarray([len(tokens)], dtype="<i4")),
+    ):
+        out = response.outputs.add()
+        out.name, out.datatype = name, "INT32"
+        out.shape.extend(shape)
+        response.raw_output_contents.append(data.tobytes())
+    if piece.log_probs is not None:
+        add_log_probs(response, [piece.log_probs], [cum])
+    if row is not None:
+        add_row_index(response, row)
+    response.parameters["triton_final_response"].bool_param = final
+    return response
+
+
+def engine_batch_response(
+    request: kserve_pb.ModelInferRequest, finals: list[Final], pad_id: int
+) -> kserve_pb.ModelInferResponse:
+    """Every row at once (unary): output_ids [rows, 1, longest] padded with `pad_id`,
+    sequence_length [rows, 1], and the log-probability outputs where a row asked."""
+    rows = [f.token_ids for f in finals]
+    width = max(1, *(len(r) for r in rows))
+    ids = np.full((len(rows), 1, width), pad_id, dtype="<i4")
+    for r, tokens in enumerate(rows):
+        ids[r, 0, : len(tokens)] = tokens
+    lengths = np.asarray([[len(r)] for r in rows], dtype="<i4")
+    response = kserve_pb.ModelInferResponse(
+        model_name=request.model_name, model_version="1", id=request.id
+    )
+    for name, data in (("output_ids", ids), ("sequence_length", lengths)):
+        out = response.outputs.add()
+        out.name, out.datatype = name, "INT32"
+        out.shape.extend(data.shape)
+        response.raw_output_contents.append(data.tobytes())
+    add_log_probs(response, [f.log_probs for f in finals], [sum(f.log_probs or ()) for f in finals])
+    return response

@@ -1,0 +1,303 @@
+"""Work-weighted fair sharing between tenants (core/bucketing.py tags, core/policy.py order,
+admission and push-out): a noisy tenant does not starve a quiet one."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.core import config as core_config
+from scheduler_svc.core.bucketing import Entry, LaneQueue
+from scheduler_svc.core.config import (
+    AdmissionConfig,
+    FairnessConfig,
+    KvConfig,
+    PolicyConfig,
+    default_lanes,
+)
+from scheduler_svc.core.policy import PolicyScheduler
+from scheduler_svc.core.types import (
+    Admitted,
+    Dispatch,
+    Expired,
+    ExpireReason,
+    Rejected,
+    RejectReason,
+    Request,
+)
+from scheduler_svc.sim.runner import simulate_requests
+from scheduler_svc.tools.bench import fairness as fb
+
+
+def req(rid: str, prompt: int, tenant: str, max_tokens: int = 16) -> Request:
+    return Request(rid, prompt_tokens=prompt, max_tokens=max_tokens, tenant=tenant)
+
+
+def _engine(rows: int, fairness: FairnessConfig | None = None, **kw: object) -> PolicyScheduler:
+    """An in-flight engine running `rows` sequences (deadline order)."""
+    config = PolicyConfig(
+        kv=KvConfig(total_blocks=100_000, max_in_flight=rows),
+        continuous_batching=True,
+        fairness=fairness or FairnessConfig(),
+        **kw,  # type: ignore[arg-type]
+    )
+    return PolicyScheduler(config)
+
+
+def _serve(policy: PolicyScheduler, now: float, rounds: int, step: float = 0.01) -> list[str]:
+    """Run `rounds` decision rounds, each request done (16 tokens) in the round after it
+    started; the start order."""
+    order: list[str] = []
+    running: list[str] = []
+    for _ in range(rounds):
+        for rid in running:
+            policy.on_done(rid, now, 16)
+        decisions = policy.schedule(now)
+        running = [d.request_id for d in decisions if isinstance(d, Dispatch)]
+        order += running
+        now += step
+    return order
+
+
+def test_a_quiet_tenant_passes_a_noisy_tenants_backlog_in_the_same_lane() -> None:
+    policy = _engine(1)
+    for i in range(40):
+        policy.submit(req(f"n{i}", 100, "noisy"), 0.0)
+    policy.submit(req("q0", 100, "quiet"), 0.001)
+    order = _serve(policy, 0.01, 4)
+    # n0 was queued first; the quiet tenant's request goes next, not after 39 more.
+    assert order[:2] == ["n0", "q0"]
+    # Without fairness the lane is first come, first served.
+    fifo = _engine(1, FairnessConfig(enabled=False))
+    for i in range(40):
+        fifo.submit(req(f"n{i}", 100, "noisy"), 0.0)
+    fifo.submit(req("q0", 100, "quiet"), 0.001)
+    assert "q0" not in _serve(fifo, 0.01, 4)
+
+
+def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
+    """Deadline feasibility first: within a lane the request due first passes the fair head
+    once under a quarter of its target is left (not before), where its tenant is at most one
+    of its requests ahead in fair order; a tenant further ahead (its earlier request expired
+    unserved, so the lane's virtual time never passed it) waits its turn."""
+    for now, first in ((0.15, "b1"), (0.2, "a1")):  # a1 has 100 ms left, then 50 ms
+        policy = _engine(1)
+        policy.submit(req("run", 100, "a"), 0.0)
+        policy.schedule(0.0)  # a's tag 0; the lane's virtual time 0
+        policy.submit(req("a1", 100, "a"), 0.0)  # a's second: tag 116, due at 0.25 s
+        policy.submit(req("b1", 100, "b"), 0.1)  # b's first: tag 0 (the fair head), due at 0.35
+        policy.on_done("run", now, 16)
+        assert [d.request_id for d in policy.schedule(now) if isinstance(d, Dispatch)] == [first]
+    policy = _engine(1)
+    policy.submit(req("run", 100, "a"), 0.0)
+    policy.schedule(0.0)
+    policy.submit(req("a1", 100, "a"), 0.0)  # tag 116, due at 0.25 s: it will expire
+    policy.submit(req("a2", 100, "a"), 0.05)  # tag 232, due at 0.30 s
+    policy.submit(req("b1", 100, "b"), 0.1)  # tag 0, due at 0.35 s
+    policy.on_done("run", 0.26, 16)
+    decisions = policy.schedule(0.26)  # a2 has 40 ms left, but a is two requests ahead of b1
+    assert [(d.request_id, type(d).__name__) for d in decisions] == [
+        ("a1", "Expired"),
+        ("b1", "Dispatch"),
+    ]
+
+
+def test_a_narrowed_tenant_shares_its_roots_place() -> None:
+    policy = _engine(1)
+    for i in range(20):
+        policy.submit(req(f"n{i}", 100, f"noisy/{i}"), 0.0)  # a fresh sub-tenant each time
+    policy.submit(req("q0", 100, "quiet"), 0.001)
+    assert _serve(policy, 0.01, 3)[:2] == ["n0", "q0"]
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
+def test_backlogged_tenants_share_by_work_and_weight(weights: tuple[float, float]) -> None:
+    """Different request sizes, equal or 2:1 weights: served work follows the weights (a
+    patient lane: nothing expires or runs short of slack in the 2 s served)."""
+    fairness = FairnessConfig(weights=(("big", weights[0]), ("small", weights[1])))
+    patient = tuple(replace(lane, ttft_target_s=3600.0) for lane in default_lanes())
+    policy = _engine(1, fairness, lanes=patient)
+    sizes = {"big": 200, "small": 60}
+    for i in range(300):
+        for tenant, prompt in sizes.items():
+            policy.submit(req(f"{tenant}{i}", prompt, tenant), 0.0)
+    order = _serve(policy, 0.01, 200)
+    work = Counter({t: 0 for t in sizes})
+    for rid in order:
+        tenant = rid.rstrip("0123456789")
+        work[tenant] += sizes[tenant] + 16
+    ratio = work["big"] / work["small"]
+    assert ratio == pytest.approx(weights[0] / weights[1], rel=0.1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tenants=st.lists(
+        st.tuples(st.floats(0.25, 4.0), st.lists(st.integers(1, 500), min_size=1, max_size=30)),
+        min_size=2,
+        max_size=4,
+    )
+)
+def test_the_service_difference_between_backlogged_tenants_is_bounded(
+    tenants: list[tuple[float, list[int]]],
+) -> None:
+    """Start-time fair queueing's bound: while tenants i and j are both backlogged,
+    |W_i / w_i - W_j / w_j| <= c_i / w_i + c_j / w_j (W: work served, c: the largest request)."""
+    names = [f"t{k}" for k in range(len(tenants))]
+    fairness = FairnessConfig(
+        weights=tuple((n, w) for n, (w, _) in zip(names, tenants, strict=True))
+    )
+    lane = LaneQueue(replace(default_lanes()[0], max_queued=1 << 20), fairness)
+    seq = 0
+    for name, (_, sizes) in zip(names, tenants, strict=True):
+        for size in sizes:
+            lane.add(Entry(req(f"{name}-{seq}", size, name, max_tokens=1), seq, 0.0, 0.0, 0, 1))
+            seq += 1
+    weight = dict(fairness.weights)
+    largest = {n: max(s) + 0 for n, (_, s) in zip(names, tenants, strict=True)}
+    served = dict.fromkeys(names, 0.0)
+    while lane.entries:
+        entry = min(lane.entries.values(), key=lambda e: (e.tag, e.seq))
+        lane.take([entry])
+        served[entry.tenant] += entry.cost_tokens
+        backlogged = {e.tenant for e in lane.entries.values()}
+        for i in backlogged:
+            for j in backlogged:
+                gap = served[i] / weight[i] - served[j] / weight[j]
+                assert gap <= largest[i] / weight[i] + largest[j] / weight[j] + 1e-6
+
+
+def _learnt(policy: PolicyScheduler, now: float) -> float:
+    """Run enough work through that the engine's drain rate is known; the time after."""
+    for i in range(6):
+        policy.submit(req(f"warmup{i}", 100, "warmup"), now)
+    running: list[str] = []
+    for _ in range(8):
+        for rid in running:
+            policy.on_done(rid, now, 16)
+        running = [d.request_id for d in policy.schedule(now) if isinstance(d, Dispatch)]
+        now += 0.1
+    for rid in running:
+        policy.on_done(rid, now, 16)
+    assert policy.pooled_drain.rate() is not None
+    return now
+
+
+def test_admission_refuses_by_the_tenants_own_place_in_fair_order() -> None:
+    admission = AdmissionConfig(min_busy_s=0.05, min_completions=1)
+    policy = _engine(1, admission=admission)
+    now = _learnt(policy, 0.0)
+    policy.submit(req("run", 100, "noisy"), now)
+    policy.schedule(now)  # the engine's one sequence is busy from here
+    verdicts = [policy.submit(req(f"n{i}", 100, "noisy"), now) for i in range(200)]
+    refused = [v for v in verdicts if isinstance(v, Rejected)]
+    assert refused and all(v.reason is RejectReason.PREDICTED_LATE for v in refused)
+    assert "fair order" in refused[0].message and refused[0].retry_after_s > 0
+    # The quiet tenant stands at the front of the fair order: admitted, predicted no wait.
+    assert isinstance(policy.submit(req("q0", 100, "quiet"), now), Admitted)
+    # Without fairness it is refused by the lane's whole queue, like the noisy tenant.
+    fifo = _engine(1, FairnessConfig(enabled=False), admission=admission)
+    now = _learnt(fifo, 0.0)
+    fifo.submit(req("run", 100, "noisy"), now)
+    fifo.schedule(now)
+    for i in range(200):
+        fifo.submit(req(f"n{i}", 100, "noisy"), now)
+    assert isinstance(fifo.submit(req("q0", 100, "quiet"), now), Rejected)
+
+
+def test_a_full_lane_pushes_out_the_newest_request_of_the_tenant_over_its_share() -> None:
+    lanes = tuple(replace(lane, max_queued=4) for lane in default_lanes())
+    policy = _engine(1, admission=AdmissionConfig(enabled=False), lanes=lanes)
+    policy.submit(req("run", 100, "noisy"), 0.0)
+    policy.schedule(0.0)
+    for i in range(4):
+        assert isinstance(policy.submit(req(f"n{i}", 100, "noisy"), 0.0), Admitted)
+    # The noisy tenant's own arrival finds its lane full: refused as before.
+    full = policy.submit(req("n4", 100, "noisy"), 0.0)
+    assert isinstance(full, Rejected) and full.reason is RejectReason.QUEUE_FULL
+    # A quiet tenant's arrival takes the place of the noisy tenant's newest request.
+    assert isinstance(policy.submit(req("q0", 100, "quiet"), 0.01), Admitted)
+    [pushed] = [d for d in policy.schedule(0.01) if isinstance(d, Expired)]
+    assert (pushed.request_id, pushed.reason) == ("n3", ExpireReason.PUSHED_OUT)
+    assert pushed.retry_after_s is not None and pushed.retry_after_s > 0
+    counters = dict(policy.stats().counters)
+    assert counters["pushed_out"] == 1 and counters["rejected_queue_full"] == 1
+    # Pushed out, the noisy tenant gave its place back: a second quiet arrival is not ahead
+    # of a tenant that is not over its share any more than the quiet one.
+    assert sorted(policy.queued_ids()) == ["n0", "n1", "n2", "q0"]
+    # Without fairness the lane's cap refuses the quiet arrival.
+    fifo = _engine(
+        1, FairnessConfig(enabled=False), admission=AdmissionConfig(enabled=False), lanes=lanes
+    )
+    fifo.submit(req("run", 100, "noisy"), 0.0)
+    fifo.schedule(0.0)
+    for i in range(4):
+        fifo.submit(req(f"n{i}", 100, "noisy"), 0.0)
+    assert isinstance(fifo.submit(req("q0", 100, "quiet"), 0.01), Rejected)
+
+
+def test_weights_are_read_from_a_mapping_and_checked() -> None:
+    config = core_config.from_mapping({"fairness": {"weights": {"gold": 4, "bronze": 0.5}}})
+    assert config.fairness.weights == (("bronze", 0.5), ("gold", 4.0))
+    assert core_config.from_mapping(core_config.to_mapping(config)) == config
+    for bad, field in (
+        ({"weights": ["gold"]}, "fairness.weights"),
+        ({"weights": {"gold": 0}}, "fairness.weights.gold"),
+        ({"weights": {"gold": "x"}}, "fairness.weights.gold"),
+        ({"default_weight": -1}, "fairness.default_weight"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            core_config.from_mapping({"fairness": bad})
+
+
+def test_the_fairness_bench_offers_each_tenant_its_rate_and_reads_shares() -> None:
+    scenario = next(s for s in fb.SCENARIOS if s.name == "weighted")
+    requests = fb.arrivals(scenario, capacity_rps=20.0, seed=0, duration_s=30.0)
+    assert requests == fb.arrivals(scenario, capacity_rps=20.0, seed=0, duration_s=30.0)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    counts = Counter(r.tenant for r in requests)
+    for load in scenario.tenants:  # Poisson at load x capacity over 30 s: 600 expected
+        assert counts[load.tenant] == pytest.approx(load.load * 20.0 * 30.0, rel=0.15)
+    assert scenario.weights() == {"gold": 2.0}
+    ended = [
+        fb.Ended("gold", True, "ok", 0.1, 200),
+        fb.Ended("gold", False, "pushed_out", None, 0),
+        fb.Ended("bronze", True, "ok", 0.3, 100),
+        fb.Ended("bronze", False, "predicted_late", None, 0),
+    ]
+    table = fb.tenant_table(scenario, ended, duration_s=10.0, slo_s=0.25)
+    gold, bronze = table["gold"], table["bronze"]
+    assert (gold.offered, gold.served, gold.refused) == (2, 1, {"pushed_out": 1})
+    assert gold.share == pytest.approx(2 / 3) and gold.fair_share == pytest.approx(2 / 3)
+    assert bronze.served_in_slo_frac == 0.0 and bronze.served_frac == 0.5
+    assert fb.share_error(table) == pytest.approx(0.0)
+    assert fb.goodput(table, 10.0) == pytest.approx(0.1)  # bronze's 300 ms is past the SLO
+    assert fb.refusal_reason("lane 'hot' ... a tenant under its fair share arrived") == "pushed_out"
+    assert fb.refusal_reason("lane 'hot' would start it in about 300 ms") == "predicted_late"
+
+
+def test_the_simulator_runs_the_bench_arrivals_with_fairness_on_and_off() -> None:
+    scenario = next(s for s in fb.SCENARIOS if s.name == "two_sizes")
+    requests = fb.arrivals(scenario, capacity_rps=97.0, seed=0, duration_s=8.0)
+    shares = {}
+    for enabled in (False, True):
+        result = simulate_requests("two", requests, 8.0, fairness=FairnessConfig(enabled=enabled))
+        ended = [
+            fb.Ended(
+                o.request.tenant,
+                o.state == "served",
+                o.state,
+                o.ttft_s,
+                o.request.prompt_tokens + o.request.output_tokens,
+            )
+            for o in result.outcomes
+        ]
+        table = fb.tenant_table(scenario, ended, 8.0, result.slo_s["hot"])
+        shares[enabled] = fb.share_error(table)
+    # First come, first served gives the large prompts most of the work; fair order evens it.
+    assert shares[False] is not None and shares[True] is not None
+    assert shares[True] < 0.15 < shares[False]
