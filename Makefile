@@ -136,7 +136,7 @@ simulate-kv: $(GEN)
 
 # Regenerate the stored simulator summaries after an intended policy change.
 sim-golden: $(GEN)
-	$(BIN)/scheduler-svc simulate --write-golden
+	$(BIN)/scheduler-svc simulate --write-golden tests/data/sim_golden.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

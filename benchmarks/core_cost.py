@@ -19,7 +19,7 @@ from pathlib import Path
 from scheduler_svc.core.config import KvConfig, PolicyConfig, default_lanes
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.types import Dispatch, Request
-from scheduler_svc.sim.runner import simulate
+from scheduler_svc.sim.simulate import simulate
 from scheduler_svc.sim.workload import SCENARIOS
 
 QUEUED = 10_000

@@ -21,8 +21,8 @@ import torch
 
 from reference_engine.batcher import Batcher
 from reference_engine.config import EngineConfig
+from reference_engine.llama import ModelRunner
 from reference_engine.request import RowSpec, Sampling
-from reference_engine.runner import ModelRunner
 
 PROMPT_TOKEN = 1000  # any in-vocabulary id: timing does not depend on the text
 

@@ -30,7 +30,7 @@ import yaml
 
 from scheduler_svc.core.config import FairnessConfig
 from scheduler_svc.core.slo import lane_slo_s
-from scheduler_svc.sim.runner import simulate_requests
+from scheduler_svc.sim.simulate import simulate_requests
 from scheduler_svc.sim.workload import SimRequest
 from scheduler_svc.tools.bench import fairness
 from scheduler_svc.tools.bench.live import (

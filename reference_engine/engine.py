@@ -374,7 +374,7 @@ def build_engine(cfg: EngineConfig, sink: Sink) -> Engine:
 
     def model() -> Runner:
         # torch loads only for an engine that runs the model.
-        from reference_engine.runner import ModelRunner  # noqa: PLC0415
+        from reference_engine.llama import ModelRunner  # noqa: PLC0415
 
         return ModelRunner(cfg)
 

@@ -214,9 +214,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-GOLDEN_PATH = Path(__file__).resolve().parents[1] / "tests" / "data" / "sim_golden.json"
-
-
 def _bench(args: argparse.Namespace) -> int:
     from scheduler_svc.tools.bench import plan, run  # noqa: PLC0415 - only this command needs it
 
@@ -312,8 +309,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.write_golden:
         result = suite.run_suite(suite.GOLDEN)
-        GOLDEN_PATH.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {GOLDEN_PATH} ({len(result['runs'])} runs)")
+        golden = Path(args.write_golden)
+        golden.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {golden} ({len(result['runs'])} runs)")
         return 0
     base = suite.KV_PROJECTION if args.kv else suite.SuiteParams()
     params = dataclasses.replace(
@@ -707,7 +705,10 @@ def _add_tool_commands(commands: Any) -> None:
         "--json", help="where the figures go (results/simulate.json, or simulate-kv.json)"
     )
     sim.add_argument(
-        "--write-golden", action="store_true", help="regenerate tests/data/sim_golden.json"
+        "--write-golden",
+        metavar="FILE",
+        help="write the stored summaries the tests compare to FILE (make sim-golden: "
+        "tests/data/sim_golden.json)",
     )
     sim.set_defaults(func=_simulate)
 

@@ -6,6 +6,13 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+# What a model's metadata must list to be TensorRT-LLM's engine (token ids in and out): the
+# tensors the sidecar sends and reads, with their datatypes.
+IDENTIFYING_INPUTS = frozenset(
+    {("input_ids", "INT32"), ("input_lengths", "INT32"), ("request_output_len", "INT32")}
+)
+IDENTIFYING_OUTPUTS = frozenset({"output_ids"})
+
 
 def word_lists(rows: list[tuple[tuple[int, ...], ...]]) -> npt.NDArray[np.int32]:
     """The `stop_words_list` / `bad_words_list` layout, [rows, 2, n]: each row's words' ids

@@ -75,6 +75,7 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass
+from enum import StrEnum
 
 from scheduler_svc.core.admission import DrainRate
 from scheduler_svc.core.breaker import Breaker
@@ -100,39 +101,48 @@ from scheduler_svc.core.types import (
     Target,
 )
 
-# Every event the policy counts in `stats().counters` (a metric's label values).
-EVENTS = (
-    "batches",
-    "step_failed",
-    "promoted",
-    "demoted",
-    "requeued",
-    "mispredicted",
-    "elastic",
-    "degraded_backend",
-    "degraded_max_tokens",
-    "degraded_lane",
-    "expired_queue_timeout",
-    "expired_no_fallback",
-    "expired_missed_target",
-    "expired_requeue_limit",
-    "expired_predicted_late",
-    "rejected_queue_full",
-    "rejected_too_large",
-    "rejected_duplicate_request_id",
-    "rejected_unknown_lane",
-    "rejected_predicted_late",
-    "pushed_out",
-    "cancelled",
-    "reconfigured",
-)
+
+class PolicyEvent(StrEnum):
+    """Every event the policy counts in `stats().counters` (a metric's label values)."""
+
+    BATCHES = "batches"
+    STEP_FAILED = "step_failed"
+    PROMOTED = "promoted"
+    DEMOTED = "demoted"
+    REQUEUED = "requeued"
+    MISPREDICTED = "mispredicted"
+    ELASTIC = "elastic"
+    DEGRADED_BACKEND = "degraded_backend"
+    DEGRADED_MAX_TOKENS = "degraded_max_tokens"
+    DEGRADED_LANE = "degraded_lane"
+    EXPIRED_QUEUE_TIMEOUT = "expired_queue_timeout"
+    EXPIRED_NO_FALLBACK = "expired_no_fallback"
+    EXPIRED_MISSED_TARGET = "expired_missed_target"
+    EXPIRED_REQUEUE_LIMIT = "expired_requeue_limit"
+    EXPIRED_PREDICTED_LATE = "expired_predicted_late"
+    REJECTED_QUEUE_FULL = "rejected_queue_full"
+    REJECTED_TOO_LARGE = "rejected_too_large"
+    REJECTED_DUPLICATE_REQUEST_ID = "rejected_duplicate_request_id"
+    REJECTED_UNKNOWN_LANE = "rejected_unknown_lane"
+    REJECTED_PREDICTED_LATE = "rejected_predicted_late"
+    PUSHED_OUT = "pushed_out"
+    CANCELLED = "cancelled"
+    RECONFIGURED = "reconfigured"
+
 
 # The share of its lane's TTFT target left before a request due first goes ahead of its lane's
 # fair head (when its tenant is not ahead in fair order by more than that request).
 URGENT_SHARE = 0.25
 
-# Timer kinds; a timer is void once its request left the lane or was requeued (version).
-_BATCH, _TIMEOUT, _DEADLINE, _AGING = "batch", "timeout", "deadline", "aging"
+
+class _TimerKind(StrEnum):
+    """What a timer does when it fires; it is void once its request left the lane or was
+    requeued (version)."""
+
+    BATCH = "batch"  # a static engine's bucket may go out
+    TIMEOUT = "timeout"  # the lane's wait bound: promote, degrade or expire
+    DEADLINE = "deadline"  # the client's queue deadline
+    AGING = "aging"  # the aging bound: the request moves up a lane
 
 
 @dataclass
@@ -150,7 +160,7 @@ class _InFlight:
 
 @dataclass(frozen=True)
 class _Timer:
-    kind: str
+    kind: _TimerKind
     lane: str
     request_id: str = ""
     version: int = 0
@@ -169,7 +179,7 @@ class PolicyScheduler:
         self.mirror = BlockMirror(config.kv, forecast=config.continuous_batching)
         self.predictor = OutputPredictor(config.predict)
         self.breaker = Breaker(config.breaker)
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[PolicyEvent] = Counter()
         self._seq = itertools.count()
         self._batch_ids = itertools.count(1)
         self._timers: list[tuple[float, int, _Timer]] = []
@@ -223,7 +233,7 @@ class PolicyScheduler:
             and self.breaker.demote()
         ):
             lane = self.config.breaker.to_lane
-            self.counters["demoted"] += 1
+            self.counters[PolicyEvent.DEMOTED] += 1
         max_tokens = max(1, request.max_tokens)
         predicted = self.predictor.predict(request.tenant, lane, max_tokens)
         if self._blocks(request.prompt_tokens, predicted, max_tokens) > self.mirror.total_blocks:
@@ -291,16 +301,16 @@ class PolicyScheduler:
                 entry.request_id, ExpireReason.PUSHED_OUT, lane, retry or self.config.retry_after_s
             )
         )
-        self.counters["pushed_out"] += 1
+        self.counters[PolicyEvent.PUSHED_OUT] += 1
 
     def _lane_timers(self, lane: str, entry: Entry) -> None:
         """The deadline and aging timers of a request entering `lane` (aging from arrival)."""
         rid, deadline = entry.request_id, entry.request.queue_deadline
         if deadline is not None:
-            self._timer(deadline, _Timer(_DEADLINE, lane, rid, -1))
+            self._timer(deadline, _Timer(_TimerKind.DEADLINE, lane, rid, -1))
         max_wait = self.lanes[lane].config.max_wait_s
         if max_wait is not None and not entry.promoted and not self.deadline_order:
-            self._timer(entry.arrived_at + max_wait, _Timer(_AGING, lane, rid, -1))
+            self._timer(entry.arrived_at + max_wait, _Timer(_TimerKind.AGING, lane, rid, -1))
 
     # -- predictive admission ----------------------------------------------------------------
 
@@ -445,10 +455,14 @@ class PolicyScheduler:
             heapq.heappush(self._deadlines[lane], (entry.deadline, entry.seq, entry.request_id))
             heapq.heappush(self._fair[lane], (entry.tag, entry.seq, entry.request_id))
         elif len(bucket.members) == 1 and not bucket.ready:
-            self._timer(now + queue.config.batch_timeout_s, _Timer(_BATCH, lane, bucket=bucket))
+            self._timer(
+                now + queue.config.batch_timeout_s, _Timer(_TimerKind.BATCH, lane, bucket=bucket)
+            )
         timeout = self.lane_timeout(lane)
         if timeout is not None:
-            self._timer(now + timeout, _Timer(_TIMEOUT, lane, entry.request_id, entry.version))
+            self._timer(
+                now + timeout, _Timer(_TimerKind.TIMEOUT, lane, entry.request_id, entry.version)
+            )
 
     def _too_large(
         self, request: Request, lane: str, max_tokens: int, predicted: int
@@ -465,13 +479,13 @@ class PolicyScheduler:
             lane, request.tenant, request.prompt_tokens, max_tokens, predicted, Target.ELASTIC
         )
         self._outbox.append(self._single(rid, lane, request.prompt_tokens, Target.ELASTIC))
-        self.counters["elastic"] += 1
+        self.counters[PolicyEvent.ELASTIC] += 1
         return Admitted(rid)
 
     def _reject(
         self, rid: str, reason: RejectReason, message: str, retry_after_s: float = 0.0
     ) -> Rejected:
-        self.counters[f"rejected_{reason.value}"] += 1
+        self.counters[PolicyEvent(f"rejected_{reason.value}")] += 1
         return Rejected(rid, reason, message, retry_after_s)
 
     def _timer(self, when: float, timer: _Timer) -> None:
@@ -493,7 +507,7 @@ class PolicyScheduler:
             elif not self._dispatch_promoted(out):
                 self._dispatch_fair(out)
         except Exception as exc:  # what was decided stays decided: hand it over
-            self.counters["step_failed"] += 1
+            self.counters[PolicyEvent.STEP_FAILED] += 1
             raise StepFailedError(out) from exc
         finally:
             self._settle_busy(now)
@@ -503,7 +517,7 @@ class PolicyScheduler:
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)
             queue = self.lanes[timer.lane]
-            if timer.kind == _BATCH:
+            if timer.kind == _TimerKind.BATCH:
                 if timer.bucket is not None and timer.bucket.alive:
                     queue.mark_ready(timer.bucket)
                 continue
@@ -511,14 +525,14 @@ class PolicyScheduler:
             if found is None or found[0] != timer.lane:
                 continue
             entry = found[1]
-            if timer.kind == _DEADLINE:
+            if timer.kind == _TimerKind.DEADLINE:
                 self._drop(timer.lane, entry)
                 out.append(Expired(entry.request_id, ExpireReason.QUEUE_TIMEOUT, timer.lane))
-                self.counters["expired_queue_timeout"] += 1
-            elif timer.kind == _AGING:
+                self.counters[PolicyEvent.EXPIRED_QUEUE_TIMEOUT] += 1
+            elif timer.kind == _TimerKind.AGING:
                 if not entry.promoted:
                     queue.promote(entry)
-                    self.counters["promoted"] += 1
+                    self.counters[PolicyEvent.PROMOTED] += 1
             elif timer.version == entry.version:
                 self._on_lane_timeout(timer.lane, entry, now, out)
 
@@ -529,7 +543,7 @@ class PolicyScheduler:
             if self.config.degrade_backend:
                 self._drop(lane, entry)
                 self._send_elsewhere(lane, entry, Target.DEGRADE, out)
-                self.counters["degraded_backend"] += 1
+                self.counters[PolicyEvent.DEGRADED_BACKEND] += 1
             elif self.config.degrade_max_tokens is not None:
                 before = entry.cost_tokens
                 entry.max_tokens = min(entry.max_tokens, self.config.degrade_max_tokens)
@@ -537,7 +551,7 @@ class PolicyScheduler:
                 self._queued_tokens[lane] += entry.cost_tokens - before
                 if not entry.promoted and not self.deadline_order:
                     self.lanes[lane].promote(entry)
-                self.counters["degraded_max_tokens"] += 1
+                self.counters[PolicyEvent.DEGRADED_MAX_TOKENS] += 1
             else:
                 self._degrade_to_lower_lane(lane, entry, now, out)
         elif action is OnTimeout.REQUEUE:
@@ -547,8 +561,8 @@ class PolicyScheduler:
                 # In deadline order waiting again keeps the request's place: only its timer moves.
                 entry.requeues += 1
                 entry.version += 1
-                self._timer(now + timeout, _Timer(_TIMEOUT, lane, rid, entry.version))
-                self.counters["requeued"] += 1
+                self._timer(now + timeout, _Timer(_TimerKind.TIMEOUT, lane, rid, entry.version))
+                self.counters[PolicyEvent.REQUEUED] += 1
                 return
             if again:
                 promoted = entry.promoted
@@ -559,16 +573,16 @@ class PolicyScheduler:
                 self._enqueue(lane, entry, now)
                 if promoted:
                     self.lanes[lane].promote(entry)
-                self.counters["requeued"] += 1
+                self.counters[PolicyEvent.REQUEUED] += 1
             else:
                 retry = self.predicted_wait(lane)  # the work queued up to and with it
                 self._drop(lane, entry)
                 out.append(Expired(rid, ExpireReason.REQUEUE_LIMIT, lane, retry))
-                self.counters["expired_requeue_limit"] += 1
+                self.counters[PolicyEvent.EXPIRED_REQUEUE_LIMIT] += 1
         elif self.config.elastic_backend:  # ELASTIC; without a pool the request keeps waiting
             self._drop(lane, entry)
             self._send_elsewhere(lane, entry, Target.ELASTIC, out)
-            self.counters["elastic"] += 1
+            self.counters[PolicyEvent.ELASTIC] += 1
 
     def _degrade_to_lower_lane(
         self, lane: str, entry: Entry, now: float, out: list[Decision]
@@ -582,9 +596,9 @@ class PolicyScheduler:
             # In deadline order a hot request past its target is answered now, not served from
             # a lower lane seconds late (where it would also take room from work still in time).
             reason, event = (
-                (ExpireReason.MISSED_TARGET, "expired_missed_target")
+                (ExpireReason.MISSED_TARGET, PolicyEvent.EXPIRED_MISSED_TARGET)
                 if self.deadline_order
-                else (ExpireReason.NO_FALLBACK, "expired_no_fallback")
+                else (ExpireReason.NO_FALLBACK, PolicyEvent.EXPIRED_NO_FALLBACK)
             )
             retry = self.predicted_wait(lane)
             self._drop(lane, entry)
@@ -595,7 +609,7 @@ class PolicyScheduler:
         if late is not None:
             self._drop(lane, entry)
             out.append(Expired(rid, ExpireReason.PREDICTED_LATE, lane, late[0]))
-            self.counters["expired_predicted_late"] += 1
+            self.counters[PolicyEvent.EXPIRED_PREDICTED_LATE] += 1
             return
         promoted = entry.promoted
         self._drop(lane, entry)
@@ -606,7 +620,7 @@ class PolicyScheduler:
         if promoted:
             self.lanes[lower].promote(entry)
         self._lane_timers(lower, entry)
-        self.counters["degraded_lane"] += 1
+        self.counters[PolicyEvent.DEGRADED_LANE] += 1
 
     def _drop(self, lane: str, entry: Entry) -> None:
         """Out of the queue unserved here: its tenant gets its work back in fair order."""
@@ -690,7 +704,7 @@ class PolicyScheduler:
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
-        self.counters["batches"] += 1
+        self.counters[PolicyEvent.BATCHES] += 1
         return cost
 
     def _engine_has_room(self) -> bool:
@@ -850,7 +864,8 @@ class PolicyScheduler:
                 max_wait = self.lanes[name].config.max_wait_s
                 if max_wait is not None and not entry.promoted:
                     self._timer(
-                        entry.arrived_at + max_wait, _Timer(_AGING, name, entry.request_id, -1)
+                        entry.arrived_at + max_wait,
+                        _Timer(_TimerKind.AGING, name, entry.request_id, -1),
                     )
         self.breaker.config = config.breaker
         self.shares.reconfigure(
@@ -860,7 +875,7 @@ class PolicyScheduler:
         for drain in (*self.drain.values(), self.pooled_drain):
             drain.config = config.admission
         self.mirror.configure(new_kv, forecast=config.continuous_batching)
-        self.counters["reconfigured"] += 1
+        self.counters[PolicyEvent.RECONFIGURED] += 1
 
     # -- departures and feedback -------------------------------------------------------------
 
@@ -870,9 +885,9 @@ class PolicyScheduler:
         found = self._queued.get(request_id)
         if found is not None:
             self._drop(found[0], found[1])
-            self.counters["cancelled"] += 1
+            self.counters[PolicyEvent.CANCELLED] += 1
         elif self._finish(request_id) is not None:
-            self.counters["cancelled"] += 1
+            self.counters[PolicyEvent.CANCELLED] += 1
         self._settle_busy(now)
 
     def on_done(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
@@ -894,7 +909,7 @@ class PolicyScheduler:
         if flight is None or output_tokens is None:
             return
         if output_tokens > flight.predicted_output and not flight.mispredicted:
-            self.counters["mispredicted"] += 1
+            self.counters[PolicyEvent.MISPREDICTED] += 1
         self.predictor.observe(flight.tenant, flight.lane, flight.max_tokens, output_tokens)
 
     def _finish(self, request_id: str) -> _InFlight | None:
@@ -927,7 +942,7 @@ class PolicyScheduler:
         self.mirror.progress(request_id, used, grow_to)
         if output_tokens > flight.predicted_output and not flight.mispredicted:
             flight.mispredicted = True
-            self.counters["mispredicted"] += 1
+            self.counters[PolicyEvent.MISPREDICTED] += 1
 
     def observe_kv(self, free_blocks: int, total_blocks: int, now: float) -> None:
         """The backend's own KV counts reconcile the mirror."""
@@ -937,15 +952,15 @@ class PolicyScheduler:
     # -- time and reporting ------------------------------------------------------------------
 
     def _timer_live(self, timer: _Timer) -> bool:
-        if timer.kind == _BATCH:
+        if timer.kind == _TimerKind.BATCH:
             return timer.bucket is not None and timer.bucket.alive and not timer.bucket.ready
         found = self._queued.get(timer.request_id)
         if found is None or found[0] != timer.lane:
             return False
         entry = found[1]
-        if timer.kind == _AGING:
+        if timer.kind == _TimerKind.AGING:
             return not entry.promoted
-        return timer.kind == _DEADLINE or timer.version == entry.version
+        return timer.kind == _TimerKind.DEADLINE or timer.version == entry.version
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time a timer could change a decision (now, if work is waiting)."""
@@ -1004,5 +1019,5 @@ class PolicyScheduler:
                 mirror.owed_blocks,
             ),
             breaker_open=self.breaker.is_open,
-            counters=tuple(sorted(self.counters.items())),
+            counters=tuple(sorted((str(e), n) for e, n in self.counters.items())),
         )

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_svc.core.policy import EVENTS
+from scheduler_svc.core.policy import PolicyEvent
 from scheduler_svc.core.types import BatchInfo, SchedulerStats
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ class _StateCollector(Collector):
             labels=["event"],
         )
         counts = dict(stats.counters)
-        for name in sorted(set(EVENTS) | set(counts)):
+        for name in sorted({str(e) for e in PolicyEvent} | set(counts)):
             events.add_metric([name], counts.get(name, 0))
         yield events
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler_svc.core.slo import meets, percentile
-from scheduler_svc.sim.runner import LANES, RunResult
+from scheduler_svc.sim.simulate import LANES, RunResult
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -1,7 +1,7 @@
 """A whole simulation run: scenarios x engines x targets, summarized, plus QPS at the SLO.
 
 `GOLDEN` is the small, fixed suite whose summaries are stored in tests/data/sim_golden.json and
-compared by the tests; `scheduler-svc simulate --write-golden` regenerates them when the policy
+compared by the tests; `make sim-golden` regenerates them when the policy
 changes on purpose.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from scheduler_svc.core.config import KvMode
 from scheduler_svc.profiles import load_profile
 from scheduler_svc.sim.report import highest_rate, meets_slo, summarize
-from scheduler_svc.sim.runner import (
+from scheduler_svc.sim.simulate import (
     DEFAULT_SIM_PROFILE,
     TARGETS,
     RunResult,

@@ -28,7 +28,7 @@ import structlog
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from scheduler_svc.config import TritonConfig, TritonTls
-from scheduler_svc.contracts.trtllm import word_lists
+from scheduler_svc.contracts.trtllm import IDENTIFYING_INPUTS, IDENTIFYING_OUTPUTS, word_lists
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -51,19 +51,12 @@ STOP_GRACE_S = 5.0
 IDLE_STREAMS = 32
 
 log = structlog.get_logger("scheduler_svc.triton")
-# TensorRT-LLM's tensor contract, as a model's metadata shows it: what the sidecar sends and reads.
-ENGINE_INPUTS = {
-    ("input_ids", "INT32"),
-    ("input_lengths", "INT32"),
-    ("request_output_len", "INT32"),
-}
-ENGINE_OUTPUTS = {"output_ids"}
 
 
 def is_engine_contract(meta: service_pb2.ModelMetadataResponse) -> bool:
     """Whether a model's metadata has TensorRT-LLM's tensor contract (token ids in and out)."""
     inputs = {(i.name, i.datatype) for i in meta.inputs}
-    return inputs >= ENGINE_INPUTS and {o.name for o in meta.outputs} >= ENGINE_OUTPUTS
+    return inputs >= IDENTIFYING_INPUTS and {o.name for o in meta.outputs} >= IDENTIFYING_OUTPUTS
 
 
 def _tensor(
@@ -277,7 +270,7 @@ def output_log_probs(response: service_pb2.ModelInferResponse, count: int) -> li
     return [float(v) for v in values[len(values) - count :]]
 
 
-def _int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:
+def _config_int_parameter(config: model_config_pb2.ModelConfig, key: str) -> int | None:
     param = config.parameters.get(key)
     try:
         value = int(param.string_value) if param is not None else None
@@ -295,8 +288,8 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         static = model_type is not None and model_type.string_value.lower() == "v1"
         batching = Batching.STATIC if static else Batching.INFLIGHT
     instances = sum(group.count or 1 for group in config.instance_group) or 1
-    paged_tokens = _int_parameter(config, "max_tokens_in_paged_kv_cache")
-    per_block = _int_parameter(config, "tokens_per_block")
+    paged_tokens = _config_int_parameter(config, "max_tokens_in_paged_kv_cache")
+    per_block = _config_int_parameter(config, "tokens_per_block")
     policy = config.parameters.get("batch_scheduler_policy")
     # TensorRT-LLM's default is guaranteed_no_evict; an unfilled template value reads as it.
     allocates_as_it_goes = policy is not None and policy.string_value == "max_utilization"
@@ -313,8 +306,8 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         batching=batching,
         max_batch_size=max(1, config.max_batch_size),
         batches_at_once=instances,
-        max_num_sequences=_int_parameter(config, "max_num_sequences"),
-        max_num_tokens=_int_parameter(config, "max_num_tokens"),
+        max_num_sequences=_config_int_parameter(config, "max_num_sequences"),
+        max_num_tokens=_config_int_parameter(config, "max_num_tokens"),
         kv_total_blocks=paged_tokens // per_block if paged_tokens and per_block else None,
         reserves_max_tokens=not allocates_as_it_goes,
         context_chunking=(

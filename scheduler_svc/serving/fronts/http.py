@@ -510,8 +510,8 @@ def _generate_inputs(
         if name == "parameters":
             if not isinstance(raw, dict):
                 raise BadRequestError("parameters: expected an object")
-            priority = _int_parameter(raw, "priority")
-            timeout_us = _int_parameter(raw, "timeout")
+            priority = _request_int_parameter(raw, "priority")
+            timeout_us = _request_int_parameter(raw, "timeout")
             unknown = set(raw) - {"priority", "timeout"}
             if unknown:
                 raise BadRequestError(
@@ -555,7 +555,7 @@ def _fits(datatype: str, value: object) -> bool:
     return low is None or low <= value < high  # type: ignore[operator]
 
 
-def _int_parameter(parameters: dict[str, Any], key: str) -> int | None:
+def _request_int_parameter(parameters: dict[str, Any], key: str) -> int | None:
     value = parameters.get(key)
     if value is None:
         return None

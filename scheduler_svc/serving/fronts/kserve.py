@@ -274,8 +274,8 @@ def params_from_inputs(
         seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
         end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
         pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
-        stop_words=_words(values.get("stop_words"), "stop_words"),
-        bad_words=_words(values.get("bad_words"), "bad_words"),
+        stop_words=_text_words(values.get("stop_words"), "stop_words"),
+        bad_words=_text_words(values.get("bad_words"), "bad_words"),
         min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
         repetition_penalty=number("repetition_penalty", 1.0),
         presence_penalty=number("presence_penalty", 0.0),
@@ -287,7 +287,7 @@ def params_from_inputs(
     )
 
 
-def _words(value: object, name: str) -> tuple[str, ...]:
+def _text_words(value: object, name: str) -> tuple[str, ...]:
     """A words input as text: each element one word (empty ones dropped)."""
     if value is None:
         return ()

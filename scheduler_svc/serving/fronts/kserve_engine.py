@@ -45,7 +45,7 @@ class _In:
     required: bool = False
 
 
-ENGINE_INPUTS: dict[str, _In] = {
+ENGINE_INPUT_SPECS: dict[str, _In] = {
     "input_ids": _In("INT32", "ids", True),
     "input_lengths": _In("INT32", "one", True),
     "request_output_len": _In("INT32", "one", True),
@@ -75,7 +75,7 @@ OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.generic]:
     tensor = request.inputs[index]
-    spec = ENGINE_INPUTS[tensor.name]
+    spec = ENGINE_INPUT_SPECS[tensor.name]
     if tensor.datatype != spec.datatype:
         raise BadRequestError(
             f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected {spec.datatype}"
@@ -107,7 +107,7 @@ def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.g
     return flat.reshape(shape)
 
 
-def _words(
+def _word_list_row(
     array: npt.NDArray[np.generic], row: int, rows: int, name: str
 ) -> tuple[tuple[int, ...], ...]:
     """One row of TensorRT-LLM's word-list layout: ids end to end, then end offsets (-1 pad)."""
@@ -133,13 +133,13 @@ def parse_engine_request(
     """Each row's generation parameters, and whether the answer streams."""
     arrays: dict[str, npt.NDArray[np.generic]] = {}
     for index, tensor in enumerate(request.inputs):
-        if tensor.name not in ENGINE_INPUTS:
-            known = ", ".join(ENGINE_INPUTS)
+        if tensor.name not in ENGINE_INPUT_SPECS:
+            known = ", ".join(ENGINE_INPUT_SPECS)
             raise BadRequestError(
                 f"unknown input {clip(tensor.name)} for model '{request.model_name}' ({known})"
             )
         arrays[tensor.name] = _array(request, index)
-    for name, spec in ENGINE_INPUTS.items():
+    for name, spec in ENGINE_INPUT_SPECS.items():
         if spec.required and name not in arrays:
             raise BadRequestError(f"missing required input '{name}'")
     for output in request.outputs:
@@ -155,7 +155,7 @@ def parse_engine_request(
     rows = ids.shape[0]
     one: dict[str, npt.NDArray[np.generic]] = {}
     for name, array in arrays.items():
-        if ENGINE_INPUTS[name].kind != "one":
+        if ENGINE_INPUT_SPECS[name].kind != "one":
             continue
         flat = array.reshape(-1)
         if flat.size not in (1, rows):
@@ -207,10 +207,10 @@ def parse_engine_request(
                 seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
                 end_id=None if end_id is None else int(end_id),  # type: ignore[call-overload]
                 pad_id=None if pad_id is None else int(pad_id),  # type: ignore[call-overload]
-                stop_word_ids=_words(arrays["stop_words_list"], r, rows, "stop_words_list")
+                stop_word_ids=_word_list_row(arrays["stop_words_list"], r, rows, "stop_words_list")
                 if "stop_words_list" in arrays
                 else (),
-                bad_word_ids=_words(arrays["bad_words_list"], r, rows, "bad_words_list")
+                bad_word_ids=_word_list_row(arrays["bad_words_list"], r, rows, "bad_words_list")
                 if "bad_words_list" in arrays
                 else (),
                 min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]

@@ -25,7 +25,7 @@ from typing import Any
 
 from scheduler_svc.core.slo import lane_slo_s
 from scheduler_svc.profiles import CostProfile
-from scheduler_svc.sim.runner import RunResult, simulate
+from scheduler_svc.sim.simulate import RunResult, simulate
 from scheduler_svc.sim.workload import Scenario
 from scheduler_svc.tools.bench import plan as P  # noqa: N812 - read as the plan's namespace
 

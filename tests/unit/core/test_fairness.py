@@ -29,7 +29,7 @@ from scheduler_svc.core.types import (
     RejectReason,
     Request,
 )
-from scheduler_svc.sim.runner import simulate_requests
+from scheduler_svc.sim.simulate import simulate_requests
 from scheduler_svc.tools.bench import fairness as fb
 
 

@@ -22,7 +22,7 @@ from scheduler_svc.core.config import (
     default_lanes,
     prefill_budget_tokens,
 )
-from scheduler_svc.core.policy import EVENTS, URGENT_SHARE, PolicyScheduler
+from scheduler_svc.core.policy import URGENT_SHARE, PolicyEvent, PolicyScheduler
 from scheduler_svc.core.types import (
     Admitted,
     Dispatch,
@@ -882,7 +882,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_counted_event_is_a_known_label(self) -> None:
-        assert set(dict(self.policy.stats().counters)) <= set(EVENTS)
+        assert set(dict(self.policy.stats().counters)) <= {str(e) for e in PolicyEvent}
 
     @invariant()
     def queues_within_caps(self) -> None:

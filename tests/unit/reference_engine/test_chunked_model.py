@@ -9,8 +9,8 @@ import pytest
 
 from reference_engine.batcher import Batcher
 from reference_engine.config import EngineConfig, ModelSpec
+from reference_engine.llama import ModelRunner
 from reference_engine.request import RowSpec, Sampling
-from reference_engine.runner import ModelRunner
 
 
 def generate(

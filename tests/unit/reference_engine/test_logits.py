@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from reference_engine.llama import _processed
 from reference_engine.request import EngineRequest, RunningSequence, Sampling
-from reference_engine.runner import _processed
 
 
 def seq(generated: list[int], **fields: object) -> RunningSequence:

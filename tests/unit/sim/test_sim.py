@@ -16,7 +16,7 @@ from scheduler_svc.core.slo import percentile
 from scheduler_svc.profiles import load_profile
 from scheduler_svc.sim.engine import InflightEngine, SimSequence
 from scheduler_svc.sim.report import highest_rate, kv_table, meets_slo, summarize
-from scheduler_svc.sim.runner import learn_outputs, make_scheduler, simulate, with_duration
+from scheduler_svc.sim.simulate import learn_outputs, make_scheduler, simulate, with_duration
 from scheduler_svc.sim.suite import GOLDEN, run_suite
 from scheduler_svc.sim.workload import SCENARIOS, generate
 
@@ -88,7 +88,7 @@ def test_seeded_runs_match_the_stored_summaries() -> None:
     assert fresh["cost_profile"] == stored["cost_profile"]
     for now, then in zip(fresh["runs"], stored["runs"], strict=True):
         key = (now["scenario"], now["engine"], now["target"])
-        assert now == then, f"{key} changed: run `scheduler-svc simulate --write-golden` if meant"
+        assert now == then, f"{key} changed: run `make sim-golden` if meant"
 
 
 def test_the_rate_search_bisects_to_the_highest_rate_that_meets_the_target() -> None:

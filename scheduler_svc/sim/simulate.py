@@ -263,7 +263,7 @@ class _Run:
                 outcome.state = "failed"  # still waiting or running when the run ended
         self.result.end_s = now
         if isinstance(self.sched, PolicyScheduler):
-            self.result.counters = dict(self.sched.counters)
+            self.result.counters = {str(e): n for e, n in self.sched.counters.items()}
         return self.result
 
     def arrive(self, outcome: Outcome, now: float) -> None:
