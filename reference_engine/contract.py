@@ -16,39 +16,10 @@ import numpy.typing as npt
 from reference_engine.config import EngineConfig
 from reference_engine.errors import InvalidRequestError
 from reference_engine.request import RowSpec, Sampling
+from scheduler_svc.contracts.trtllm import INPUTS, NOT_PRODUCED, read_word_lists, refusal
 
 Tensors = Mapping[str, npt.NDArray[np.generic]]
 
-_EXPECTED_KINDS = {
-    "input_ids": "iu",
-    "input_lengths": "iu",
-    "request_output_len": "iu",
-    "end_id": "iu",
-    "pad_id": "iu",
-    "streaming": "b",
-    "stop": "b",
-    "temperature": "f",
-    "runtime_top_k": "iu",
-    "runtime_top_p": "f",
-    "random_seed": "iu",
-    "stop_words_list": "iu",
-    "bad_words_list": "iu",
-    "min_length": "iu",
-    "repetition_penalty": "fiu",
-    "presence_penalty": "fiu",
-    "frequency_penalty": "fiu",
-    "len_penalty": "fiu",
-    "beam_width": "iu",
-    "return_log_probs": "b",
-    "return_context_logits": "b",
-    "return_generation_logits": "b",
-    "exclude_input_in_output": "b",
-}
-# What this engine cannot do, refused by name when a request asks for it.
-_NOT_PRODUCED = {
-    "return_context_logits": "context logits are not produced by this engine",
-    "return_generation_logits": "generation logits are not produced by this engine",
-}
 MAX_STOP_WORDS = 64  # per row
 MAX_STOP_WORD_TOKENS = 64
 
@@ -66,7 +37,7 @@ def _per_row(tensors: Tensors, name: str, num_rows: int) -> npt.NDArray[np.gener
     value = tensors.get(name)
     if value is None:
         return None
-    if value.dtype.kind not in _EXPECTED_KINDS[name]:
+    if value.dtype.kind not in INPUTS[name].numpy_kinds:
         raise InvalidRequestError(f"{name}: unexpected data type {value.dtype}")
     flat = np.asarray(value).reshape(-1)
     if flat.size == 1:
@@ -167,62 +138,40 @@ def parse_request(tensors: Tensors, cfg: EngineConfig) -> ParsedRequest:
 
 
 def _refuse_what_cannot_be_done(tensors: Tensors, num_rows: int) -> None:
-    beams = _per_row(tensors, "beam_width", num_rows)
-    if beams is not None and any(int(b) != 1 for b in beams):
-        raise InvalidRequestError(
-            f"beam_width: {int(max(beams))}; this engine decodes one beam (beam_width 1)"
-        )
-    for name, why in _NOT_PRODUCED.items():
-        flags = _per_row(tensors, name, num_rows)
-        if flags is not None and bool(np.any(flags)):
-            raise InvalidRequestError(f"{name}: {why}")
-    exclude = _per_row(tensors, "exclude_input_in_output", num_rows)
-    if exclude is not None and not bool(np.all(exclude)):
-        raise InvalidRequestError(
-            "exclude_input_in_output: false is not supported; this engine returns the "
-            "generated tokens only"
-        )
-    # len_penalty only ranks beams; with one beam it changes nothing, so any value is accepted.
-    _per_row(tensors, "len_penalty", num_rows)
+    """Beams, logits and the prompt in the output, refused by name (contracts/trtllm.py)."""
+    names = ("beam_width", *NOT_PRODUCED, "exclude_input_in_output", "len_penalty")
+    columns = {name: _per_row(tensors, name, num_rows) for name in names}
+    for r in range(num_rows):
+        row = {name: column[r].item() for name, column in columns.items() if column is not None}
+        why = refusal(row)
+        if why is not None:
+            raise InvalidRequestError(why)
 
 
 def _word_lists(
     tensors: Tensors, name: str, num_rows: int, vocab: int
 ) -> list[tuple[tuple[int, ...], ...]]:
-    """TensorRT-LLM's `stop_words_list` / `bad_words_list`, [rows, 2, n] (or [2, n] for one
-    row): per row, the words' token ids end to end, then each word's end offset, padded -1."""
+    """TensorRT-LLM's `stop_words_list` / `bad_words_list` per row, within this engine's
+    limits (words per row, tokens per word) and its vocabulary."""
     value = tensors.get(name)
     if value is None:
         return [()] * num_rows
-    if value.dtype.kind not in _EXPECTED_KINDS[name]:
+    if value.dtype.kind not in INPUTS[name].numpy_kinds:
         raise InvalidRequestError(f"{name}: unexpected data type {value.dtype}")
-    array = np.asarray(value).astype(np.int64)
-    if array.ndim == 2:
-        array = array.reshape(1, *array.shape)
-    if array.ndim != 3 or array.shape[0] not in (1, num_rows) or array.shape[1] != 2:
-        raise InvalidRequestError(
-            f"{name}: expected shape [rows, 2, n] ({num_rows} rows), got {list(value.shape)}"
-        )
-    out: list[tuple[tuple[int, ...], ...]] = []
-    for r in range(array.shape[0]):
-        ids, offsets = array[r]
-        ends = [int(o) for o in offsets if o >= 0]
-        if len(ends) > MAX_STOP_WORDS:
-            raise InvalidRequestError(f"{name}: {len(ends)} words, at most {MAX_STOP_WORDS}")
-        words, start = [], 0
-        for end in ends:
-            if not start < end <= len(ids) or end - start > MAX_STOP_WORD_TOKENS:
-                raise InvalidRequestError(
-                    f"{name}: offsets must rise, each word 1..{MAX_STOP_WORD_TOKENS} tokens "
-                    f"within the {len(ids)} ids (row {r})"
-                )
-            word = tuple(int(t) for t in ids[start:end])
-            if any(not 0 <= t < vocab for t in word):
-                raise InvalidRequestError(f"{name}: row {r} holds a token outside the vocabulary")
-            words.append(word)
-            start = end
-        out.append(tuple(words))
-    return out * num_rows if len(out) == 1 else out
+    try:
+        rows = read_word_lists(np.asarray(value), num_rows, name)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    for r, words in enumerate(rows):
+        if len(words) > MAX_STOP_WORDS:
+            raise InvalidRequestError(f"{name}: {len(words)} words, at most {MAX_STOP_WORDS}")
+        if any(len(word) > MAX_STOP_WORD_TOKENS for word in words):
+            raise InvalidRequestError(
+                f"{name}: row {r} has a word over {MAX_STOP_WORD_TOKENS} tokens"
+            )
+        if any(not 0 <= t < vocab for word in words for t in word):
+            raise InvalidRequestError(f"{name}: row {r} holds a token outside the vocabulary")
+    return rows
 
 
 def _first_bool(tensors: Tensors, name: str, num_rows: int) -> bool:

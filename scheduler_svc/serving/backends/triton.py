@@ -28,7 +28,12 @@ import structlog
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from scheduler_svc.config import TritonConfig, TritonTls
-from scheduler_svc.contracts.trtllm import IDENTIFYING_INPUTS, IDENTIFYING_OUTPUTS, word_lists
+from scheduler_svc.contracts.trtllm import (
+    IDENTIFYING_INPUTS,
+    IDENTIFYING_OUTPUTS,
+    INPUTS,
+    word_lists,
+)
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -59,12 +64,11 @@ def is_engine_contract(meta: service_pb2.ModelMetadataResponse) -> bool:
     return inputs >= IDENTIFYING_INPUTS and {o.name for o in meta.outputs} >= IDENTIFYING_OUTPUTS
 
 
-def _tensor(
-    request: service_pb2.ModelInferRequest, name: str, datatype: str, value: npt.NDArray[Any]
-) -> None:
+def _tensor(request: service_pb2.ModelInferRequest, name: str, value: npt.NDArray[Any]) -> None:
+    """Input `name` of the contract, with its datatype there, as raw little-endian bytes."""
     tensor = request.inputs.add()
     tensor.name = name
-    tensor.datatype = datatype
+    tensor.datatype = INPUTS[name].datatype
     tensor.shape.extend(value.shape)
     request.raw_input_contents.append(value.tobytes())
 
@@ -82,20 +86,20 @@ def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferReq
     """The ModelInferRequest for one row of the `tensorrt_llm` contract."""
     request = _message(model, inp.request_id)
     ids = np.asarray([list(inp.prompt_ids)], dtype="<i4")
-    _tensor(request, "input_ids", "INT32", ids)
-    _tensor(request, "input_lengths", "INT32", np.asarray([[ids.shape[1]]], dtype="<i4"))
-    _tensor(request, "request_output_len", "INT32", np.asarray([[inp.max_tokens]], dtype="<i4"))
-    _tensor(request, "end_id", "INT32", np.asarray([[inp.end_id]], dtype="<i4"))
-    _tensor(request, "pad_id", "INT32", np.asarray([[inp.pad_id]], dtype="<i4"))
-    _tensor(request, "streaming", "BOOL", np.asarray([[True]], dtype=np.bool_))
+    _tensor(request, "input_ids", ids)
+    _tensor(request, "input_lengths", np.asarray([[ids.shape[1]]], dtype="<i4"))
+    _tensor(request, "request_output_len", np.asarray([[inp.max_tokens]], dtype="<i4"))
+    _tensor(request, "end_id", np.asarray([[inp.end_id]], dtype="<i4"))
+    _tensor(request, "pad_id", np.asarray([[inp.pad_id]], dtype="<i4"))
+    _tensor(request, "streaming", np.asarray([[True]], dtype=np.bool_))
     if inp.temperature > 0:
         # TensorRT-LLM decodes greedily when top_k and top_p are both 0: a temperature alone
         # must still sample, so it goes with the full nucleus.
         top_p = inp.top_p if inp.top_p > 0 else 1.0
-        _tensor(request, "temperature", "FP32", np.asarray([[inp.temperature]], dtype="<f4"))
-        _tensor(request, "runtime_top_k", "INT32", np.asarray([[inp.top_k]], dtype="<i4"))
-        _tensor(request, "runtime_top_p", "FP32", np.asarray([[top_p]], dtype="<f4"))
-        _tensor(request, "random_seed", "UINT64", np.asarray([[inp.seed]], dtype="<u8"))
+        _tensor(request, "temperature", np.asarray([[inp.temperature]], dtype="<f4"))
+        _tensor(request, "runtime_top_k", np.asarray([[inp.top_k]], dtype="<i4"))
+        _tensor(request, "runtime_top_p", np.asarray([[top_p]], dtype="<f4"))
+        _tensor(request, "random_seed", np.asarray([[inp.seed]], dtype="<u8"))
     _word_tensors(request, [inp])
     return request
 
@@ -105,19 +109,19 @@ def _word_tensors(request: service_pb2.ModelInferRequest, rows: list[GenerationI
     penalties, when any row sets one."""
     column = np.asarray
     if any(r.min_length for r in rows):
-        _tensor(request, "min_length", "INT32", column([[r.min_length] for r in rows], "<i4"))
+        _tensor(request, "min_length", column([[r.min_length] for r in rows], "<i4"))
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         default = 1.0 if name == "repetition_penalty" else 0.0
         if any(getattr(r, name) != default for r in rows):
             values = column([[getattr(r, name)] for r in rows], "<f4")
-            _tensor(request, name, "FP32", values)
+            _tensor(request, name, values)
     if any(r.stop_words for r in rows):
-        _tensor(request, "stop_words_list", "INT32", word_lists([r.stop_words for r in rows]))
+        _tensor(request, "stop_words_list", word_lists([r.stop_words for r in rows]))
     if any(r.bad_words for r in rows):
-        _tensor(request, "bad_words_list", "INT32", word_lists([r.bad_words for r in rows]))
+        _tensor(request, "bad_words_list", word_lists([r.bad_words for r in rows]))
     if any(r.return_log_probs for r in rows):
         flags = column([[r.return_log_probs] for r in rows], np.bool_)
-        _tensor(request, "return_log_probs", "BOOL", flags)
+        _tensor(request, "return_log_probs", flags)
 
 
 def build_batch_request(
@@ -134,19 +138,19 @@ def build_batch_request(
     def column(values: list[Any], dtype: Any) -> npt.NDArray[Any]:
         return np.asarray([[v] for v in values], dtype=dtype)
 
-    _tensor(request, "input_ids", "INT32", ids)
-    _tensor(request, "input_lengths", "INT32", column([len(r.prompt_ids) for r in rows], "<i4"))
-    _tensor(request, "request_output_len", "INT32", column([r.max_tokens for r in rows], "<i4"))
-    _tensor(request, "end_id", "INT32", column([r.end_id for r in rows], "<i4"))
-    _tensor(request, "pad_id", "INT32", column([r.pad_id for r in rows], "<i4"))
+    _tensor(request, "input_ids", ids)
+    _tensor(request, "input_lengths", column([len(r.prompt_ids) for r in rows], "<i4"))
+    _tensor(request, "request_output_len", column([r.max_tokens for r in rows], "<i4"))
+    _tensor(request, "end_id", column([r.end_id for r in rows], "<i4"))
+    _tensor(request, "pad_id", column([r.pad_id for r in rows], "<i4"))
     # Every input carries the batch dimension, `streaming` included.
-    _tensor(request, "streaming", "BOOL", column([True] * len(rows), np.bool_))
+    _tensor(request, "streaming", column([True] * len(rows), np.bool_))
     if any(r.temperature > 0 for r in rows):
-        _tensor(request, "temperature", "FP32", column([r.temperature for r in rows], "<f4"))
-        _tensor(request, "runtime_top_k", "INT32", column([r.top_k for r in rows], "<i4"))
+        _tensor(request, "temperature", column([r.temperature for r in rows], "<f4"))
+        _tensor(request, "runtime_top_k", column([r.top_k for r in rows], "<i4"))
         top_p = [r.top_p if r.top_p > 0 or r.temperature == 0 else 1.0 for r in rows]
-        _tensor(request, "runtime_top_p", "FP32", column(top_p, "<f4"))
-        _tensor(request, "random_seed", "UINT64", column([r.seed for r in rows], "<u8"))
+        _tensor(request, "runtime_top_p", column(top_p, "<f4"))
+        _tensor(request, "random_seed", column([r.seed for r in rows], "<u8"))
     _word_tensors(request, rows)
     return request
 
@@ -205,10 +209,10 @@ def build_stop_request(model: str, request_id: str) -> service_pb2.ModelInferReq
     """TensorRT-LLM's `stop`: ends the in-flight request with the same id. The contract's
     required inputs ride along; the engine ignores them."""
     request = _message(model, request_id)
-    _tensor(request, "input_ids", "INT32", np.asarray([[0]], dtype="<i4"))
-    _tensor(request, "input_lengths", "INT32", np.asarray([[1]], dtype="<i4"))
-    _tensor(request, "request_output_len", "INT32", np.asarray([[1]], dtype="<i4"))
-    _tensor(request, "stop", "BOOL", np.asarray([[True]], dtype=np.bool_))
+    _tensor(request, "input_ids", np.asarray([[0]], dtype="<i4"))
+    _tensor(request, "input_lengths", np.asarray([[1]], dtype="<i4"))
+    _tensor(request, "request_output_len", np.asarray([[1]], dtype="<i4"))
+    _tensor(request, "stop", np.asarray([[True]], dtype=np.bool_))
     return request
 
 

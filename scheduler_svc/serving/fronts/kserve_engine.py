@@ -12,12 +12,12 @@ one response per chunk of new tokens, else one per row.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.trtllm import INPUTS, read_word_lists
 from scheduler_svc.errors import BadRequestError, clip
 from scheduler_svc.serving.fronts.kserve_params import (
     INDEX_OUTPUTS,
@@ -38,44 +38,12 @@ MAX_DIMS = 4  # the contract's tensors have at most three ([rows, 2, n] word lis
 MAX_ELEMENTS = 2**32  # far above any message the server accepts
 
 
-@dataclass(frozen=True)
-class _In:
-    datatype: str
-    kind: str  # ids: [rows, tokens]; one: a value per row; words: [rows, 2, n]
-    required: bool = False
-
-
-ENGINE_INPUT_SPECS: dict[str, _In] = {
-    "input_ids": _In("INT32", "ids", True),
-    "input_lengths": _In("INT32", "one", True),
-    "request_output_len": _In("INT32", "one", True),
-    "end_id": _In("INT32", "one"),
-    "pad_id": _In("INT32", "one"),
-    "streaming": _In("BOOL", "one"),
-    "stop": _In("BOOL", "one"),
-    "temperature": _In("FP32", "one"),
-    "runtime_top_k": _In("INT32", "one"),
-    "runtime_top_p": _In("FP32", "one"),
-    "random_seed": _In("UINT64", "one"),
-    "stop_words_list": _In("INT32", "words"),
-    "bad_words_list": _In("INT32", "words"),
-    "min_length": _In("INT32", "one"),
-    "repetition_penalty": _In("FP32", "one"),
-    "presence_penalty": _In("FP32", "one"),
-    "frequency_penalty": _In("FP32", "one"),
-    "len_penalty": _In("FP32", "one"),
-    "beam_width": _In("INT32", "one"),
-    "return_log_probs": _In("BOOL", "one"),
-    "return_context_logits": _In("BOOL", "one"),
-    "return_generation_logits": _In("BOOL", "one"),
-    "exclude_input_in_output": _In("BOOL", "one"),
-}
 OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 
 def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.generic]:
     tensor = request.inputs[index]
-    spec = ENGINE_INPUT_SPECS[tensor.name]
+    spec = INPUTS[tensor.name]
     if tensor.datatype != spec.datatype:
         raise BadRequestError(
             f"input '{tensor.name}' has data type {tensor.datatype[:32]}, expected {spec.datatype}"
@@ -107,24 +75,18 @@ def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.g
     return flat.reshape(shape)
 
 
-def _word_list_row(
-    array: npt.NDArray[np.generic], row: int, rows: int, name: str
-) -> tuple[tuple[int, ...], ...]:
-    """One row of TensorRT-LLM's word-list layout: ids end to end, then end offsets (-1 pad)."""
-    if array.ndim == 2:
-        array = array.reshape(1, *array.shape)
-    if array.ndim != 3 or array.shape[1] != 2:
-        raise BadRequestError(f"{name}: expected shape [rows, 2, n], got {list(array.shape)}")
-    if array.shape[0] not in (1, rows):
-        raise BadRequestError(f"{name}: {array.shape[0]} rows of words for {rows} rows")
-    ids, offsets = array[row if array.shape[0] > 1 else 0].astype(np.int64)
-    words, start = [], 0
-    for end in (int(o) for o in offsets if o >= 0):
-        if not start < end <= len(ids):
-            raise BadRequestError(f"{name}: offsets must rise within the {len(ids)} ids")
-        words.append(tuple(int(t) for t in ids[start:end]))
-        start = end
-    return tuple(words)
+def _word_lists(
+    arrays: dict[str, npt.NDArray[np.generic]], rows: int
+) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
+    """Each row's stop and bad words, in TensorRT-LLM's layout (contracts/trtllm.py)."""
+    none: list[tuple[tuple[int, ...], ...]] = [()] * rows
+    words = {}
+    for name in ("stop_words_list", "bad_words_list"):
+        try:
+            words[name] = read_word_lists(arrays[name], rows, name) if name in arrays else none
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from None
+    return words
 
 
 def parse_engine_request(
@@ -133,13 +95,13 @@ def parse_engine_request(
     """Each row's generation parameters, and whether the answer streams."""
     arrays: dict[str, npt.NDArray[np.generic]] = {}
     for index, tensor in enumerate(request.inputs):
-        if tensor.name not in ENGINE_INPUT_SPECS:
-            known = ", ".join(ENGINE_INPUT_SPECS)
+        if tensor.name not in INPUTS:
+            known = ", ".join(INPUTS)
             raise BadRequestError(
                 f"unknown input {clip(tensor.name)} for model '{request.model_name}' ({known})"
             )
         arrays[tensor.name] = _array(request, index)
-    for name, spec in ENGINE_INPUT_SPECS.items():
+    for name, spec in INPUTS.items():
         if spec.required and name not in arrays:
             raise BadRequestError(f"missing required input '{name}'")
     for output in request.outputs:
@@ -155,7 +117,7 @@ def parse_engine_request(
     rows = ids.shape[0]
     one: dict[str, npt.NDArray[np.generic]] = {}
     for name, array in arrays.items():
-        if ENGINE_INPUT_SPECS[name].kind != "one":
+        if INPUTS[name].shape != "one":
             continue
         flat = array.reshape(-1)
         if flat.size not in (1, rows):
@@ -171,6 +133,7 @@ def parse_engine_request(
         flat = one.get(name)
         return None if flat is None else flat[r if flat.size > 1 else 0].item()
 
+    words = _word_lists(arrays, rows)
     priority = request_parameter(request, "priority")
     timeout_us = request_parameter(request, "timeout")
     session, precision = route_parameters(request)
@@ -207,12 +170,8 @@ def parse_engine_request(
                 seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
                 end_id=None if end_id is None else int(end_id),  # type: ignore[call-overload]
                 pad_id=None if pad_id is None else int(pad_id),  # type: ignore[call-overload]
-                stop_word_ids=_word_list_row(arrays["stop_words_list"], r, rows, "stop_words_list")
-                if "stop_words_list" in arrays
-                else (),
-                bad_word_ids=_word_list_row(arrays["bad_words_list"], r, rows, "bad_words_list")
-                if "bad_words_list" in arrays
-                else (),
+                stop_word_ids=words["stop_words_list"][r],
+                bad_word_ids=words["bad_words_list"][r],
                 min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]
                 repetition_penalty=number("repetition_penalty", 1.0),
                 presence_penalty=number("presence_penalty", 0.0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.trtllm import refusal
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
 
@@ -33,12 +34,6 @@ MAX_ROWS = 64  # rows of one batched request (the ensemble's max_batch_size)
 # which row (batch_index) and which of its sequences (sequence_index: one beam, 0).
 LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 INDEX_OUTPUTS = ("batch_index", "sequence_index")
-# What the engine cannot produce: refused by name, as the engine itself refuses it. (Log
-# probabilities it produces: `return_log_probs` is passed on.)
-_NOT_PRODUCED = {
-    "return_context_logits": "context logits are not produced by this engine",
-    "return_generation_logits": "generation logits are not produced by this engine",
-}
 
 
 def request_parameter(request: kserve_pb.ModelInferRequest, key: str) -> int | None:
@@ -113,16 +108,8 @@ def add_row_index(response: kserve_pb.ModelInferResponse, row: int) -> None:
 
 
 def refuse_what_the_engine_cannot_do(values: dict[str, object]) -> None:
-    """Beams, logits and prompts in the output: refused by name (the text and the engine
-    contracts name these inputs alike)."""
-    beams = values.get("beam_width", 1)
-    if beams != 1:
-        raise BadRequestError(f"beam_width: {beams}; this engine decodes one beam (beam_width 1)")
-    for name, why in _NOT_PRODUCED.items():
-        if values.get(name, False):
-            raise BadRequestError(f"{name}: {why}")
-    if not values.get("exclude_input_in_output", True):
-        raise BadRequestError(
-            "exclude_input_in_output: false is not supported; this engine returns the "
-            "generated tokens only"
-        )
+    """Beams, logits and prompts in the output: refused by name, as the engine itself refuses
+    them (the text and the engine contracts name these inputs alike; contracts/trtllm.py)."""
+    why = refusal(values)
+    if why is not None:
+        raise BadRequestError(why)

@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.trtllm import INPUTS as ENGINE_INPUTS
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError, UnknownModelError
 from scheduler_svc.serving.fronts.kserve import parse_infer_request
-from scheduler_svc.serving.fronts.kserve_engine import ENGINE_INPUT_SPECS, parse_engine_request
+from scheduler_svc.serving.fronts.kserve_engine import parse_engine_request
 from scheduler_svc.serving.fronts.kserve_params import MAX_ROWS
 
 
@@ -156,7 +157,7 @@ def test_a_batched_request_is_one_set_of_parameters_per_row() -> None:
 
 # -- the engine contract, fuzzed -------------------------------------------------------------
 
-_ENGINE_NAMES = sorted(ENGINE_INPUT_SPECS)
+_ENGINE_NAMES = sorted(ENGINE_INPUTS)
 _DATATYPES = ("INT32", "FP32", "BOOL", "UINT64", "BYTES")
 
 
@@ -170,7 +171,7 @@ def _engine_tensors(draw: st.DrawFn) -> kserve_pb.ModelInferRequest:
     for name in ["input_ids", "input_lengths", "request_output_len", *names]:
         tensor = request.inputs.add()
         tensor.name = name
-        right = ENGINE_INPUT_SPECS[name].datatype
+        right = ENGINE_INPUTS[name].datatype
         tensor.datatype = draw(st.sampled_from((right, right, right, *_DATATYPES)))
         dims = st.one_of(st.integers(-3, 8), st.sampled_from((2**32, 2**62, 2**63 - 1)))
         tensor.shape.extend(draw(st.lists(dims, min_size=0, max_size=6)))
