@@ -28,6 +28,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as kserve_pb
 from tritonclient.grpc import service_pb2_grpc as kserve_grpc
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from scheduler_svc import __version__
 from scheduler_svc.errors import (
@@ -49,9 +50,9 @@ from scheduler_svc.serving.fronts.kserve_params import (
     INDEX_OUTPUTS,
     LOG_PROB_OUTPUTS,
     MAX_ROWS,
-    NUMPY_DTYPES,
     add_log_probs,
     add_row_index,
+    raw_dtype,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     route_parameters,
@@ -127,22 +128,19 @@ TEXT_OUTPUTS = (OUTPUT, *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 
 def _deserialize_bytes(raw: bytes) -> list[bytes]:
-    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then data."""
-    items, offset = [], 0
-    while offset < len(raw):
-        if offset + 4 > len(raw):
-            raise BadRequestError("text_input: truncated BYTES tensor")
-        (size,) = struct.unpack_from("<I", raw, offset)
-        offset += 4
-        if offset + size > len(raw):
-            raise BadRequestError("text_input: truncated BYTES tensor")
-        items.append(raw[offset : offset + size])
-        offset += size
-    return items
+    """Triton's BYTES wire format (each element a 4-byte little-endian length, then its data),
+    read by tritonclient's own codec; a length past the end is the client's error."""
+    try:
+        return list(deserialize_bytes_tensor(raw))
+    except struct.error:
+        raise BadRequestError("text_input: truncated BYTES tensor") from None
 
 
 def _serialize_bytes(items: list[bytes]) -> bytes:
-    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+    if not items:
+        return b""
+    encoded = serialize_byte_tensor(np.array(items, dtype=np.object_))
+    return bytes(encoded.item())
 
 
 def _values(
@@ -156,7 +154,7 @@ def _values(
         if spec.datatype == "BYTES":
             return list(_deserialize_bytes(raw))
         try:
-            return list(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.datatype]).tolist())
+            return list(np.frombuffer(raw, dtype=raw_dtype(spec.datatype)).tolist())
         except ValueError:
             raise BadRequestError(
                 f"{name}: {len(raw)} bytes do not hold {spec.datatype} values"

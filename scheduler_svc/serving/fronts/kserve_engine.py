@@ -23,9 +23,9 @@ from scheduler_svc.serving.fronts.kserve_params import (
     INDEX_OUTPUTS,
     LOG_PROB_OUTPUTS,
     MAX_ROWS,
-    NUMPY_DTYPES,
     add_log_probs,
     add_row_index,
+    raw_dtype,
     refuse_what_the_engine_cannot_do,
     request_parameter,
     route_parameters,
@@ -58,7 +58,7 @@ def _array(request: kserve_pb.ModelInferRequest, index: int) -> npt.NDArray[np.g
         )
     if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses even an empty one
         raise BadRequestError(f"input '{tensor.name}': shape {shape} is too large")
-    dtype = np.dtype(NUMPY_DTYPES[spec.datatype])
+    dtype = raw_dtype(spec.datatype)
     if index < len(request.raw_input_contents):
         raw = request.raw_input_contents[index]
         if len(raw) % dtype.itemsize:

@@ -3,15 +3,20 @@ Triton's request parameters, the row bound, and what the engine cannot do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from tritonclient.grpc import service_pb2 as kserve_pb
+from tritonclient.utils import triton_to_np_dtype
 
 from scheduler_svc.contracts.trtllm import refusal
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
 
-# KServe datatypes as numpy reads their raw little-endian bytes.
-NUMPY_DTYPES = {"INT32": "<i4", "FP32": "<f4", "UINT64": "<u8", "BOOL": "?"}
+
+def raw_dtype(datatype: str) -> np.dtype[Any]:
+    """A KServe datatype as numpy reads its raw contents (little-endian, whatever the host)."""
+    return np.dtype(triton_to_np_dtype(datatype)).newbyteorder("<")
 
 
 def typed_contents(
