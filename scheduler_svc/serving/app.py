@@ -25,7 +25,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tritonclient.grpc import service_pb2 as kserve_pb
 from tritonclient.grpc import service_pb2_grpc as kserve_grpc
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
@@ -53,7 +52,7 @@ from scheduler_svc.serving.backends.base import Backend
 from scheduler_svc.serving.backends.groups import GroupedBackend, RolloutView, RolloutWatch
 from scheduler_svc.serving.backends.kvpoll import poll_kv
 from scheduler_svc.serving.backends.pool import TritonPool
-from scheduler_svc.serving.backends.triton import TritonBackend
+from scheduler_svc.serving.backends.triton import TritonBackend, is_text_contract
 from scheduler_svc.serving.chat import ChatTemplate
 from scheduler_svc.serving.fronts import kserve, scheduler_v1
 from scheduler_svc.serving.fronts.controls import SidecarControls
@@ -344,20 +343,7 @@ class Sidecar:
         the ensemble's text contract (text_input and max_tokens in, text_output out); with
         several, `ensemble` if it is one, else the first by name."""
         try:
-            index = await self.controls.triton_call(
-                "RepositoryIndex", kserve_pb.RepositoryIndexRequest(ready=True)
-            )
-            found = []
-            for model in sorted({m.name for m in index.models}):
-                meta = await self.controls.triton_call(
-                    "ModelMetadata", kserve_pb.ModelMetadataRequest(name=model)
-                )
-                inputs = {(i.name, i.datatype) for i in meta.inputs}
-                outputs = {o.name for o in meta.outputs}
-                if {("text_input", "BYTES"), ("max_tokens", "INT32")} <= inputs and (
-                    "text_output" in outputs
-                ):
-                    found.append(model)
+            found = await self.controls.first_triton().models_with(is_text_contract)
         except RequestError as exc:
             log.warning("cannot discover the text model yet", error=str(exc))
             return False

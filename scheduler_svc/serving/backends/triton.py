@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -62,6 +62,14 @@ def is_engine_contract(meta: service_pb2.ModelMetadataResponse) -> bool:
     """Whether a model's metadata has TensorRT-LLM's tensor contract (token ids in and out)."""
     inputs = {(i.name, i.datatype) for i in meta.inputs}
     return inputs >= IDENTIFYING_INPUTS and {o.name for o in meta.outputs} >= IDENTIFYING_OUTPUTS
+
+
+def is_text_contract(meta: service_pb2.ModelMetadataResponse) -> bool:
+    """Whether a model's metadata has the ensemble's text contract (text_input and max_tokens
+    in, text_output out)."""
+    inputs = {(i.name, i.datatype) for i in meta.inputs}
+    wanted = {("text_input", "BYTES"), ("max_tokens", "INT32")}
+    return wanted <= inputs and "text_output" in {o.name for o in meta.outputs}
 
 
 def _tensor(request: service_pb2.ModelInferRequest, name: str, value: npt.NDArray[Any]) -> None:
@@ -441,16 +449,7 @@ class TritonBackend:
         """Find the engine model: the ready model of Triton's repository with TensorRT-LLM's
         tensor contract; `tensorrt_llm` if it is one of several, else the first by name. With
         none, the default name stays (and readiness says whether Triton has it)."""
-        index = await self.stub.RepositoryIndex(
-            service_pb2.RepositoryIndexRequest(ready=True), timeout=timeout
-        )
-        found = []
-        for name in sorted({m.name for m in index.models}):
-            meta = await self.stub.ModelMetadata(
-                service_pb2.ModelMetadataRequest(name=name), timeout=timeout
-            )
-            if is_engine_contract(meta):
-                found.append(name)
+        found = await self._models_with(is_engine_contract, timeout)
         self._found = True
         if not found:
             log.warning(
@@ -466,6 +465,31 @@ class TritonBackend:
             model=self.engine_model,
             candidates=found,
         )
+
+    async def _models_with(
+        self, accepts: Callable[[service_pb2.ModelMetadataResponse], bool], timeout: float
+    ) -> list[str]:
+        """The ready models of Triton's repository whose metadata `accepts`, by name."""
+        index = await self.stub.RepositoryIndex(
+            service_pb2.RepositoryIndexRequest(ready=True), timeout=timeout
+        )
+        found = []
+        for name in sorted({m.name for m in index.models}):
+            meta = await self.stub.ModelMetadata(
+                service_pb2.ModelMetadataRequest(name=name), timeout=timeout
+            )
+            if accepts(meta):
+                found.append(name)
+        return found
+
+    async def models_with(
+        self, accepts: Callable[[service_pb2.ModelMetadataResponse], bool], timeout_s: float = 600
+    ) -> list[str]:
+        """`_models_with`, Triton's refusal kept as TritonCallError."""
+        try:
+            return await self._models_with(accepts, timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TritonCallError(exc.code(), exc.details() or "") from None
 
     async def health(self) -> list[tuple[str, bool]]:
         return [(self.cfg.url, await self.ready())]

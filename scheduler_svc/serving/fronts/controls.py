@@ -195,6 +195,10 @@ class SidecarControls:
             raise BackendUnavailableError("the primary backend is not a Triton server")
         return [e.backend for e in self.repository.endpoints]
 
+    def first_triton(self) -> TritonBackend:
+        """The primary's first Triton (BackendUnavailableError where it is not a Triton)."""
+        return self._tritons()[0]
+
     async def triton_call(self, method: str, request: Any, every: bool = False) -> Any:
         """Pass a KServe call through to Triton as it is (the first endpoint; with `every`,
         each endpoint in turn, since they serve the same repository, answering the first's
