@@ -49,6 +49,7 @@ from scheduler_svc.serving.service import (
 )
 from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.testing.waiting import until
 
 TOKENIZER = load_tokenizer()
 
@@ -388,12 +389,6 @@ def test_a_tenant_over_its_quota_is_refused_with_a_retry_hint() -> None:
         serve(backend, body, {"quotas": {"default": {"max_concurrent": 1}}})
     finally:
         auth.CURRENT.reset(token)
-
-
-async def until(check: Any, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 # -- strict policy input --------------------------------------------------------------------

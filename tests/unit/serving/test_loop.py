@@ -19,6 +19,7 @@ from scheduler_svc.serving.backends.base import GenerationInput
 from scheduler_svc.serving.loop import CoreLoop, Ticket
 from scheduler_svc.serving.rows import BatchJob, RowRunner, StaticRunner
 from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.testing.waiting import until
 
 STATIC = EngineProfile(Batching.STATIC, max_batch_size=64)
 # Lanes that never time out or age here, and buckets that wait 20 ms to fill.
@@ -53,15 +54,6 @@ async def read(ticket: Ticket) -> list[int]:
     async for tokens in ticket.channel.tokens():
         out += tokens.ids
     return out
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Let the loop and the runners run until `check` holds (a bounded number of turns)."""
-    for _ in range(2000):
-        if check():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"never happened: {what}")
 
 
 def run(

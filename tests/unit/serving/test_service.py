@@ -26,6 +26,7 @@ from scheduler_svc.serving.rows import runner_for
 from scheduler_svc.serving.service import Delta, Final, Finish, GenerationParams, GenerationService
 from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.testing.waiting import until
 
 TOKENIZER = load_tokenizer()
 WORD = TOKENIZER.encode(" hello", add_special_tokens=False).ids[0]
@@ -55,15 +56,6 @@ def serve(
 
 async def collect(service: GenerationService, params: GenerationParams) -> list[Delta | Final]:
     return [event async for event in service.generate(params)]
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Let the service run until `check` holds (a bounded number of turns)."""
-    for _ in range(1000):
-        if check():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"never: {what}")
 
 
 def test_text_in_text_out_through_a_static_batch() -> None:
