@@ -6,62 +6,30 @@ Unit tests of the shell only; tests/integration/ prove the same path against the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 import structlog.testing
 
-from scheduler_svc.config import SidecarConfig
 from scheduler_svc.core.engine import Batching, EngineProfile
-from scheduler_svc.core.types import Target
 from scheduler_svc.errors import (
     BackendFailedError,
     BadRequestError,
     OverloadedError,
     QueueTimeoutError,
 )
-from scheduler_svc.serving.app import make_scheduler
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.rows import runner_for
 from scheduler_svc.serving.service import Delta, Final, Finish, GenerationParams, GenerationService
-from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.testing.stack import TOKENIZER, collect, serve
 from scheduler_svc.testing.waiting import until
 
-TOKENIZER = load_tokenizer()
 WORD = TOKENIZER.encode(" hello", add_special_tokens=False).ids[0]
-
-
-def serve(
-    backend: ScriptedBackend,
-    body: Callable[[GenerationService], Awaitable[None]],
-    **policy: object,
-) -> None:
-    cfg = SidecarConfig.model_validate({"policy": policy})
-
-    async def main() -> None:
-        loop = CoreLoop(make_scheduler(cfg))
-        engine = await backend.profile()
-        loop.set_runners({Target.PRIMARY: runner_for(engine, backend, loop)})
-        loop.start()
-        service = GenerationService(cfg, TOKENIZER, loop)
-        service.backend_ready = True
-        try:
-            await body(service)
-        finally:
-            await loop.close()
-
-    asyncio.run(main())
-
-
-async def collect(service: GenerationService, params: GenerationParams) -> list[Delta | Final]:
-    return [event async for event in service.generate(params)]
 
 
 def test_text_in_text_out_through_a_static_batch() -> None:
     backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         params = [
             GenerationParams(f"r{i}", prompt="Tell me a story", max_tokens=1) for i in range(3)
         ]
@@ -80,7 +48,7 @@ def test_text_in_text_out_through_a_static_batch() -> None:
 def test_a_stop_string_ends_the_answer_and_stops_the_row_in_the_engine() -> None:
     backend = ScriptedBackend(first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         events = await collect(
             service, GenerationParams("r", prompt="Say hello", max_tokens=50, stop=("hello",))
         )
@@ -102,7 +70,7 @@ def test_a_queue_timeout_and_a_backend_failure_reach_the_caller_as_their_errors(
         EngineProfile(Batching.STATIC, 64), fail_with=BackendFailedError("boom")
     )
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         backend.hold()
         first = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x y z")))
         await until(lambda: bool(backend.calls), "the engine is busy with a")
@@ -122,13 +90,13 @@ def test_a_queue_timeout_and_a_backend_failure_reach_the_caller_as_their_errors(
         assert service.outcomes["queue_timeout"] == 1 and service.outcomes["backend_failed"] == 1
 
     lane = {"name": "hot", "queue_timeout_s": None, "max_wait_s": None}
-    serve(backend, body, lanes=[lane], max_batches_in_flight=1)
+    serve(backend, body, {"policy": {"lanes": [lane], "max_batches_in_flight": 1}})
 
 
 def test_a_request_id_is_a_label_clients_may_reuse_at_once() -> None:
     backend = ScriptedBackend(first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         backend.hold()
         same = [GenerationParams("client-1", prompt="Tell me a story", max_tokens=2)] * 4
         tasks = [asyncio.create_task(collect(service, p)) for p in same]
@@ -147,7 +115,7 @@ def test_a_request_id_is_a_label_clients_may_reuse_at_once() -> None:
 def test_a_request_may_set_its_end_and_pad_ids_within_the_vocabulary() -> None:
     backend = ScriptedBackend(first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         await collect(service, GenerationParams("e", prompt="hi", max_tokens=2, end_id=9, pad_id=0))
         [row] = backend.calls[-1].rows
         assert (row.end_id, row.pad_id) == (9, 0)
@@ -161,7 +129,7 @@ def test_a_request_may_set_its_end_and_pad_ids_within_the_vocabulary() -> None:
 def test_log_probs_come_with_their_tokens_for_the_rows_that_ask() -> None:
     backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         asked, plain = await asyncio.gather(
             collect(
                 service, GenerationParams("a", prompt="Hi", max_tokens=3, return_log_probs=True)
@@ -186,7 +154,7 @@ def test_log_probs_come_with_their_tokens_for_the_rows_that_ask() -> None:
 def test_a_request_refused_at_arrival_says_why_in_the_log() -> None:
     backend = ScriptedBackend(EngineProfile(Batching.STATIC, 64), first_id=WORD)
 
-    async def body(service: GenerationService) -> None:
+    async def body(service: GenerationService, _: CoreLoop) -> None:
         backend.hold()
         running = asyncio.ensure_future(collect(service, GenerationParams("a", prompt="x")))
         await until(lambda: bool(backend.calls), "the engine is busy with a")
@@ -202,4 +170,4 @@ def test_a_request_refused_at_arrival_says_why_in_the_log() -> None:
         await asyncio.gather(running, queued)
 
     lane = {"name": "hot", "max_queued": 1, "queue_timeout_s": None, "max_wait_s": None}
-    serve(backend, body, lanes=[lane], max_batches_in_flight=1)
+    serve(backend, body, {"policy": {"lanes": [lane], "max_batches_in_flight": 1}})
