@@ -1,2 +1,4 @@
-"""Formats shared across the sidecar's parts, pure: the files and tensors one side writes and
-another reads (the spec gate's result; TensorRT-LLM's word lists)."""
+"""Formats shared across the sidecar's parts, pure: a request's sampling (every front to the
+Triton client), TensorRT-LLM's tensor contract (the client, the engine front, the ensemble's
+preprocessing and the reference engine) and the spec gate's result file (the tool and the
+running sidecar)."""

@@ -30,6 +30,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.bucketing import root_tenant
 from scheduler_svc.core.quota import Limits, Refusal, TenantQuotas
 from scheduler_svc.core.routing import RouteClass
@@ -122,10 +123,7 @@ class GenerationParams:
     token_ids: tuple[int, ...] | None = None
     # None takes the configured default.
     max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
     # The engine's end and pad token ids for this request; None takes the model's.
     end_id: int | None = None
     pad_id: int | None = None
@@ -138,10 +136,6 @@ class GenerationParams:
     # The same as token ids (the engine contract's stop_words_list / bad_words_list).
     stop_word_ids: tuple[tuple[int, ...], ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
-    min_length: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     # Each generated token's log probability back, where the engine produces them.
     return_log_probs: bool = False
     urgency: Urgency = Urgency.STANDARD
@@ -322,6 +316,38 @@ class GenerationService:
                     f"max_input_tokens {self.cfg.model.max_input_tokens})"
                 )
 
+    def _check_sampling(self, sampling: Sampling, max_tokens: int) -> None:
+        """Each field within what the engine takes. Floats are checked as the engine will see
+        them (32-bit): 1e39 is finite here and infinite there, where it would fail every row
+        batched with it."""
+        temperature = float32(sampling.temperature)
+        if not math.isfinite(temperature) or temperature < 0:
+            raise BadRequestError(
+                f"temperature: {sampling.temperature} is not a finite 32-bit number >= 0"
+            )
+        if not 0 <= sampling.top_p <= 1:
+            raise BadRequestError(f"top_p: {sampling.top_p} is outside 0..1")
+        if not 0 <= sampling.top_k <= self.vocab_size:
+            raise BadRequestError(
+                f"top_k: {sampling.top_k} is outside 0..{self.vocab_size} (the vocabulary)"
+            )
+        if not 0 <= sampling.seed < 2**64:
+            raise BadRequestError(f"seed: {sampling.seed} is outside 0..2**64-1")
+        if not 0 <= sampling.min_length <= max_tokens:
+            raise BadRequestError(
+                f"min_length: {sampling.min_length}, allowed 0..{max_tokens} (max_tokens)"
+            )
+        penalty = float32(sampling.repetition_penalty)
+        if not (math.isfinite(penalty) and penalty > 0):
+            raise BadRequestError(
+                f"repetition_penalty: {sampling.repetition_penalty} is not a positive 32-bit number"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(float32(getattr(sampling, name))):
+                raise BadRequestError(
+                    f"{name}: {getattr(sampling, name)} is not a finite 32-bit number"
+                )
+
     def _check(self, params: GenerationParams) -> int:
         """Validate what does not need the tokenizer; return the effective max_tokens."""
         self._check_sizes(params)
@@ -331,21 +357,7 @@ class GenerationService:
             raise BadRequestError(
                 f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"
             )
-        # Floats are checked as the engine will see them (32-bit): 1e39 is finite here and
-        # infinite there, where it would fail every row batched with it.
-        temperature = float32(params.temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise BadRequestError(
-                f"temperature: {params.temperature} is not a finite 32-bit number >= 0"
-            )
-        if not 0 <= params.top_p <= 1:
-            raise BadRequestError(f"top_p: {params.top_p} is outside 0..1")
-        if not 0 <= params.top_k <= self.vocab_size:
-            raise BadRequestError(
-                f"top_k: {params.top_k} is outside 0..{self.vocab_size} (the vocabulary)"
-            )
-        if not 0 <= params.seed < 2**64:
-            raise BadRequestError(f"seed: {params.seed} is outside 0..2**64-1")
+        self._check_sampling(params.sampling, max_tokens)
         if len(params.stop) > MAX_STOP_STRINGS:
             raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
@@ -364,20 +376,6 @@ class GenerationService:
                 )
             if any(not 0 <= t < self.vocab_size for w in words for t in w):
                 raise BadRequestError(f"{name}: a token is outside the vocabulary")
-        if not 0 <= params.min_length <= max_tokens:
-            raise BadRequestError(
-                f"min_length: {params.min_length}, allowed 0..{max_tokens} (max_tokens)"
-            )
-        penalty = float32(params.repetition_penalty)
-        if not (math.isfinite(penalty) and penalty > 0):
-            raise BadRequestError(
-                f"repetition_penalty: {params.repetition_penalty} is not a positive 32-bit number"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(float32(getattr(params, name))):
-                raise BadRequestError(
-                    f"{name}: {getattr(params, name)} is not a finite 32-bit number"
-                )
         if params.end_id is not None and not -1 <= params.end_id < self.vocab_size:
             raise BadRequestError(f"end_id: {params.end_id} is outside -1..{self.vocab_size - 1}")
         if params.pad_id is not None and not 0 <= params.pad_id < self.vocab_size:
@@ -501,16 +499,9 @@ class GenerationService:
             max_tokens=max_tokens,
             end_id=self.cfg.model.end_id if params.end_id is None else params.end_id,
             pad_id=self.cfg.model.pad_id if params.pad_id is None else params.pad_id,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed,
+            sampling=params.sampling,
             stop_words=(self._stop_words if params.end_id != -1 else ()) + words[0],
             bad_words=words[1],
-            min_length=params.min_length,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
             return_log_probs=params.return_log_probs,
             route=RouteClass(
                 request_id=run.internal_id,

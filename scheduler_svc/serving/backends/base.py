@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.engine import EngineProfile
 from scheduler_svc.core.routing import RouteClass
 
@@ -20,20 +21,12 @@ class GenerationInput:
     max_tokens: int
     end_id: int
     pad_id: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
     # Token sequences that end generation (the model's other end tokens), sent as TensorRT-LLM's
     # stop_words_list; their tokens are part of the output.
     stop_words: tuple[tuple[int, ...], ...] = ()
-    # Token sequences never to generate (bad_words_list), the fewest tokens before the end
-    # token may end it, and TensorRT-LLM's penalties.
+    # Token sequences never to generate (bad_words_list).
     bad_words: tuple[tuple[int, ...], ...] = ()
-    min_length: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     # Seconds the client still waits; the backend call is cut off then.
     timeout_s: float | None = None
     # Whether each generated id comes with its log probability (return_log_probs).

@@ -100,14 +100,15 @@ def build_request(model: str, inp: GenerationInput) -> service_pb2.ModelInferReq
     _tensor(request, "end_id", np.asarray([[inp.end_id]], dtype="<i4"))
     _tensor(request, "pad_id", np.asarray([[inp.pad_id]], dtype="<i4"))
     _tensor(request, "streaming", np.asarray([[True]], dtype=np.bool_))
-    if inp.temperature > 0:
+    sampling = inp.sampling
+    if sampling.temperature > 0:
         # TensorRT-LLM decodes greedily when top_k and top_p are both 0: a temperature alone
         # must still sample, so it goes with the full nucleus.
-        top_p = inp.top_p if inp.top_p > 0 else 1.0
-        _tensor(request, "temperature", np.asarray([[inp.temperature]], dtype="<f4"))
-        _tensor(request, "runtime_top_k", np.asarray([[inp.top_k]], dtype="<i4"))
+        top_p = sampling.top_p if sampling.top_p > 0 else 1.0
+        _tensor(request, "temperature", np.asarray([[sampling.temperature]], dtype="<f4"))
+        _tensor(request, "runtime_top_k", np.asarray([[sampling.top_k]], dtype="<i4"))
         _tensor(request, "runtime_top_p", np.asarray([[top_p]], dtype="<f4"))
-        _tensor(request, "random_seed", np.asarray([[inp.seed]], dtype="<u8"))
+        _tensor(request, "random_seed", np.asarray([[sampling.seed]], dtype="<u8"))
     _word_tensors(request, [inp])
     return request
 
@@ -116,12 +117,12 @@ def _word_tensors(request: service_pb2.ModelInferRequest, rows: list[GenerationI
     """stop_words_list and bad_words_list, when any row has words; min_length and the
     penalties, when any row sets one."""
     column = np.asarray
-    if any(r.min_length for r in rows):
-        _tensor(request, "min_length", column([[r.min_length] for r in rows], "<i4"))
+    if any(r.sampling.min_length for r in rows):
+        _tensor(request, "min_length", column([[r.sampling.min_length] for r in rows], "<i4"))
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         default = 1.0 if name == "repetition_penalty" else 0.0
-        if any(getattr(r, name) != default for r in rows):
-            values = column([[getattr(r, name)] for r in rows], "<f4")
+        if any(getattr(r.sampling, name) != default for r in rows):
+            values = column([[getattr(r.sampling, name)] for r in rows], "<f4")
             _tensor(request, name, values)
     if any(r.stop_words for r in rows):
         _tensor(request, "stop_words_list", word_lists([r.stop_words for r in rows]))
@@ -153,12 +154,13 @@ def build_batch_request(
     _tensor(request, "pad_id", column([r.pad_id for r in rows], "<i4"))
     # Every input carries the batch dimension, `streaming` included.
     _tensor(request, "streaming", column([True] * len(rows), np.bool_))
-    if any(r.temperature > 0 for r in rows):
-        _tensor(request, "temperature", column([r.temperature for r in rows], "<f4"))
-        _tensor(request, "runtime_top_k", column([r.top_k for r in rows], "<i4"))
-        top_p = [r.top_p if r.top_p > 0 or r.temperature == 0 else 1.0 for r in rows]
+    samplings = [r.sampling for r in rows]
+    if any(s.temperature > 0 for s in samplings):
+        _tensor(request, "temperature", column([s.temperature for s in samplings], "<f4"))
+        _tensor(request, "runtime_top_k", column([s.top_k for s in samplings], "<i4"))
+        top_p = [s.top_p if s.top_p > 0 or s.temperature == 0 else 1.0 for s in samplings]
         _tensor(request, "runtime_top_p", column(top_p, "<f4"))
-        _tensor(request, "random_seed", column([r.seed for r in rows], "<u8"))
+        _tensor(request, "random_seed", column([s.seed for s in samplings], "<u8"))
     _word_tensors(request, rows)
     return request
 

@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2_grpc as kserve_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from scheduler_svc import __version__
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import (
     BadRequestError,
     InternalError,
@@ -266,18 +267,20 @@ def params_from_inputs(
         request_id=request_id,
         prompt=text,
         max_tokens=int(values["max_tokens"]),  # type: ignore[call-overload]
-        temperature=number("temperature", 0.0),
-        top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
-        top_p=number("top_p", 0.0),
-        seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
+        sampling=Sampling(
+            temperature=number("temperature", 0.0),
+            top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
+            top_p=number("top_p", 0.0),
+            seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
+            min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
+            repetition_penalty=number("repetition_penalty", 1.0),
+            presence_penalty=number("presence_penalty", 0.0),
+            frequency_penalty=number("frequency_penalty", 0.0),
+        ),
         end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
         pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
         stop_words=_text_words(values.get("stop_words"), "stop_words"),
         bad_words=_text_words(values.get("bad_words"), "bad_words"),
-        min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
-        repetition_penalty=number("repetition_penalty", 1.0),
-        presence_penalty=number("presence_penalty", 0.0),
-        frequency_penalty=number("frequency_penalty", 0.0),
         return_log_probs=bool(values.get("return_log_probs", False)),
         urgency=triton_urgency(priority),
         queue_timeout_s=timeout_us / 1e6 if timeout_us else None,

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.contracts.trtllm import INPUTS, read_word_lists
 from scheduler_svc.errors import BadRequestError, clip
 from scheduler_svc.serving.fronts.kserve_params import (
@@ -163,19 +164,21 @@ def parse_engine_request(
             GenerationParams(
                 request_id=request.id,
                 token_ids=tuple(int(t) for t in ids[r, :length]),
+                sampling=Sampling(
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
+                    min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]
+                    repetition_penalty=number("repetition_penalty", 1.0),
+                    presence_penalty=number("presence_penalty", 0.0),
+                    frequency_penalty=number("frequency_penalty", 0.0),
+                ),
                 max_tokens=int(row["request_output_len"]),  # type: ignore[call-overload]
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=int(row.get("random_seed") or 0),  # type: ignore[call-overload]
                 end_id=None if end_id is None else int(end_id),  # type: ignore[call-overload]
                 pad_id=None if pad_id is None else int(pad_id),  # type: ignore[call-overload]
                 stop_word_ids=words["stop_words_list"][r],
                 bad_word_ids=words["bad_words_list"][r],
-                min_length=int(row.get("min_length") or 0),  # type: ignore[call-overload]
-                repetition_penalty=number("repetition_penalty", 1.0),
-                presence_penalty=number("presence_penalty", 0.0),
-                frequency_penalty=number("frequency_penalty", 0.0),
                 return_log_probs=bool(row.get("return_log_probs") or False),
                 urgency=triton_urgency(priority),
                 queue_timeout_s=timeout_us / 1e6 if timeout_us else None,

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError, UnknownModelError, clip
 from scheduler_svc.serving.chat import ChatTemplate, Message
@@ -203,14 +204,16 @@ def params_of(
         prompt=prompt,
         token_ids=token_ids,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed or 0,
+        sampling=Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed or 0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+        ),
         end_id=-1 if body.ignore_eos else None,
         stop=stop,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
         return_log_probs=log_probs_asked(body),
         urgency=urgency_of(body.priority, objective),
         tenant=tenant,

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
 from scheduler_svc.serving import auth
@@ -60,10 +61,12 @@ def to_params(request: pb.GenerateRequest, time_remaining_s: float | None) -> Ge
         prompt=request.prompt if which == "prompt" else None,
         token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
         max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
-        temperature=request.sampling.temperature,
-        top_p=request.sampling.top_p,
-        top_k=request.sampling.top_k,
-        seed=request.sampling.seed,
+        sampling=Sampling(
+            temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p,
+            top_k=request.sampling.top_k,
+            seed=request.sampling.seed,
+        ),
         stop=tuple(request.stop),
         urgency=_URGENCY[request.priority],
         tenant=request.tenant,

@@ -41,9 +41,20 @@ def params(body: openai.CompletionBody | openai.ChatBody, objective: Urgency | N
 
 def test_openai_defaults_sample_and_temperature_zero_is_greedy() -> None:
     p = params(completion())
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, None)
+    assert (p.sampling.temperature, p.sampling.top_p, p.sampling.top_k, p.max_tokens) == (
+        1.0,
+        1.0,
+        0,
+        None,
+    )
     p = params(completion(temperature=0, max_tokens=7, stop="\n", seed=3, ignore_eos=True))
-    assert (p.temperature, p.max_tokens, p.stop, p.seed, p.end_id) == (0.0, 7, ("\n",), 3, -1)
+    assert (p.sampling.temperature, p.max_tokens, p.stop, p.sampling.seed, p.end_id) == (
+        0.0,
+        7,
+        ("\n",),
+        3,
+        -1,
+    )
     assert params(completion(prompt=[1, 2, 3])).token_ids == (1, 2, 3)
     assert params(completion(prompt=["one"])).prompt == "one"
 
@@ -74,7 +85,11 @@ def test_what_the_engine_cannot_honour_is_refused_naming_the_field(
 
 def test_log_probs_and_penalties_go_to_the_engine() -> None:
     p = params(completion(logprobs=0, presence_penalty=0.5, frequency_penalty=-1))
-    assert (p.return_log_probs, p.presence_penalty, p.frequency_penalty) == (True, 0.5, -1.0)
+    assert (p.return_log_probs, p.sampling.presence_penalty, p.sampling.frequency_penalty) == (
+        True,
+        0.5,
+        -1.0,
+    )
     assert not params(completion()).return_log_probs
 
     def chat(**fields: object) -> openai.ChatBody:

@@ -51,8 +51,8 @@ def test_stock_request_parses_with_sampling_and_parameters() -> None:
     request.parameters["timeout"].int64_param = 250_000
     [params], stream = parse_infer_request(request, "ensemble", None)
     assert stream
-    assert params.prompt == "你好" and params.max_tokens == 9 and params.seed == 5
-    assert params.temperature == pytest.approx(0.7)
+    assert params.prompt == "你好" and params.max_tokens == 9 and params.sampling.seed == 5
+    assert params.sampling.temperature == pytest.approx(0.7)
     assert params.urgency == Urgency.INTERACTIVE
     assert params.queue_timeout_s == pytest.approx(0.25)
 
@@ -127,7 +127,9 @@ def test_the_full_ensemble_contract_parses_and_refuses_what_the_engine_cannot_do
     )
     [params], _ = parse_infer_request(request, "ensemble", None)
     assert params.stop_words == ("\n\n", "User:") and params.bad_words == ("damn",)
-    assert params.min_length == 3 and params.repetition_penalty == pytest.approx(1.2)
+    assert params.sampling.min_length == 3 and params.sampling.repetition_penalty == pytest.approx(
+        1.2
+    )
     assert params.return_log_probs
     for name, value, needle in (
         ("beam_width", int32(4), "beam_width: 4; this engine decodes one beam"),
@@ -150,7 +152,7 @@ def test_a_batched_request_is_one_set_of_parameters_per_row() -> None:
     rows, _ = parse_infer_request(request, "ensemble", None)
     assert [r.prompt for r in rows] == ["one", "two", "three"]
     assert [r.max_tokens for r in rows] == [3, 4, 5]
-    assert [r.temperature for r in rows] == [0.5] * 3
+    assert [r.sampling.temperature for r in rows] == [0.5] * 3
     assert [r.stop_words for r in rows] == [("a",), ("b", "c"), ()]
     assert {r.request_id for r in rows} == {"r1"}  # the client's id is a label of each
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import (
     BadRequestError,
 )
@@ -52,19 +53,36 @@ def test_numbers_the_engine_cannot_take_are_refused_by_name() -> None:
     async def body(service: GenerationService, loop: CoreLoop) -> None:
         vocab = service.vocab_size
         cases = [
-            (GenerationParams("r", prompt="hi", temperature=1e39), "temperature: 1e"),
-            (GenerationParams("r", prompt="hi", top_k=2**40), f"top_k: {2**40} is outside"),
-            (GenerationParams("r", prompt="hi", top_k=vocab + 1), f"0..{vocab}"),
-            (GenerationParams("r", prompt="hi", seed=2**64), "seed: "),
-            (GenerationParams("r", prompt="hi", presence_penalty=-1e39), "presence_penalty"),
-            (GenerationParams("r", prompt="hi", frequency_penalty=4e38), "frequency_penalty"),
-            (GenerationParams("r", prompt="hi", repetition_penalty=1e-50), "repetition_penalty"),
+            (
+                GenerationParams("r", prompt="hi", sampling=Sampling(temperature=1e39)),
+                "temperature: 1e",
+            ),
+            (
+                GenerationParams("r", prompt="hi", sampling=Sampling(top_k=2**40)),
+                f"top_k: {2**40} is outside",
+            ),
+            (GenerationParams("r", prompt="hi", sampling=Sampling(top_k=vocab + 1)), f"0..{vocab}"),
+            (GenerationParams("r", prompt="hi", sampling=Sampling(seed=2**64)), "seed: "),
+            (
+                GenerationParams("r", prompt="hi", sampling=Sampling(presence_penalty=-1e39)),
+                "presence_penalty",
+            ),
+            (
+                GenerationParams("r", prompt="hi", sampling=Sampling(frequency_penalty=4e38)),
+                "frequency_penalty",
+            ),
+            (
+                GenerationParams("r", prompt="hi", sampling=Sampling(repetition_penalty=1e-50)),
+                "repetition_penalty",
+            ),
         ]
         for params, needle in cases:
             with pytest.raises(BadRequestError, match=needle):
                 await collect(service, params)
         assert loop.accepted == 0
-        ok = GenerationParams("r", prompt="hi", max_tokens=2, temperature=1.0, top_k=vocab)
+        ok = GenerationParams(
+            "r", prompt="hi", max_tokens=2, sampling=Sampling(temperature=1.0, top_k=vocab)
+        )
         assert isinstance((await collect(service, ok))[-1], Final)
 
     serve(ScriptedBackend(), body)
