@@ -22,7 +22,7 @@ import struct
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -177,6 +177,14 @@ class Final:
     total_ms: float
     lane: str
     log_probs: tuple[float, ...] | None = None  # one per token id, where asked
+
+
+async def final_of(events: AsyncIterator[Delta | Final]) -> Final:
+    """A request's final event, its deltas passed over (the whole answer is in it)."""
+    async for event in events:
+        if isinstance(event, Final):
+            return event
+    raise InternalError("generation ended without a final answer")
 
 
 class GenerationService:
@@ -410,10 +418,7 @@ class GenerationService:
     async def answer(self, params: GenerationParams) -> Final:
         """The whole answer, for the fronts' unary calls: the request's final event."""
         async with contextlib.aclosing(self.generate(params)) as events:
-            async for event in events:
-                if isinstance(event, Final):
-                    return event
-        raise InternalError("generation ended without a final answer")
+            return await final_of(events)
 
     async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
         # The client's id is a label, echoed and logged, never a key: clients reuse ids (a

@@ -20,7 +20,6 @@ Health and reflection need no credential (probes); anything this table does not 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -31,13 +30,13 @@ import structlog
 from scheduler_svc.errors import (
     BadRequestError,
     DeadlineError,
-    InternalError,
     PermissionDeniedError,
     RequestError,
     UnauthenticatedError,
     grpc_status,
 )
 from scheduler_svc.serving.auth import ADMIN, CLIENT, CURRENT, Credentials, Principal
+from scheduler_svc.serving.fronts.presentation import logged_internal_error
 from scheduler_svc.serving.fronts.status import Context, abort
 from scheduler_svc.serving.metrics import SidecarMetrics
 
@@ -218,10 +217,10 @@ class _Call:
             if isinstance(exc, UnauthenticatedError | PermissionDeniedError):
                 self.guard.metrics.refused_calls.labels(grpc_status(exc).name).inc()
             await abort(context, exc)
-        error_id = uuid.uuid4().hex[:12]
-        log.error("internal error", method=self.method, error_id=error_id, exc_info=exc)
-        self.guard.metrics.internal_errors.labels(self.method).inc()
-        await abort(context, InternalError(f"internal error {error_id} (logged by the sidecar)"))
+        metrics = self.guard.metrics
+        await abort(
+            context, logged_internal_error(log, exc, metrics, self.method, method=self.method)
+        )
 
     async def _write(self, context: Context, message: Any) -> None:
         try:

@@ -12,9 +12,10 @@ A streamed answer starts only once the first text is ready, so a refusal still g
 status (400 / 401 / 404 / 429 with Retry-After / 503 ...); an error after that comes in-band
 as a last `data: {"error": ...}` event.
 
-Over 500 lines until the fronts' shared presentation (holding deltas, the internal-error
-answer) moves out of each front (issue 30's next step); the OpenAI shapes already live in
-openai.py and the ensemble's metadata in kserve.py.
+Over 500 lines: the aiohttp server, its error answers and both route families (OpenAI and
+Triton's generate extension) live here; what the fronts share is presentation.py, the OpenAI
+shapes openai.py, the ensemble's metadata kserve.py. The generate routes could be a module of
+their own next.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from scheduler_svc import __version__
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import (
     BadRequestError,
-    InternalError,
     PermissionDeniedError,
     RequestError,
     UnauthenticatedError,
@@ -55,7 +55,14 @@ from scheduler_svc.serving.fronts.kserve import (
     ensemble_metadata,
     params_from_inputs,
 )
-from scheduler_svc.serving.service import Delta, Final, GenerationParams, GenerationService
+from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
+from scheduler_svc.serving.service import (
+    Delta,
+    Final,
+    GenerationParams,
+    GenerationService,
+    final_of,
+)
 
 log = structlog.get_logger("scheduler_svc.http")
 
@@ -243,10 +250,8 @@ class HttpFront:
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:
-            error_id = uuid.uuid4().hex[:12]
-            log.error("internal error", path=path, error_id=error_id, exc_info=exc)
-            self.metrics.internal_errors.labels(f"HTTP {_route(request)}").inc()
-            error = InternalError(f"internal error {error_id} (logged by the sidecar)")
+            where = f"HTTP {_route(request)}"
+            error = logged_internal_error(log, exc, self.metrics, where, path=path)
             return _json_response(_error_body(path, 500, str(error), error.type), status=500)
 
     def _http_reason(self, exc: web.HTTPException, request: web.Request) -> str:
@@ -377,30 +382,18 @@ class HttpFront:
         usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def whole(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:
-            async for event in events:
-                if isinstance(event, Final):
-                    yield answer.whole(event)
-                    return
-            raise InternalError("generation ended without a final answer")
+            yield answer.whole(await final_of(events))
 
         async def chunks(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:
-            carry: Delta | None = None  # tokens whose text has not come yet
-            async for got in events:
-                event = got
-                if isinstance(got, Delta):
-                    event = got if carry is None else carry + got
-                    if not event.text:
-                        carry = event
-                        continue
-                    carry = None
-                elif carry is not None and carry.token_ids:
-                    yield answer.chunk(carry, usage)  # their log probabilities still go out
-                yield answer.chunk(event, usage)
-                if isinstance(event, Final):
-                    if usage:
-                        yield answer.usage_chunk(event)
-                    return
-            raise InternalError("generation ended without a final answer")
+            async for piece in shown_pieces(events):
+                if isinstance(piece, Delta):
+                    yield answer.chunk(piece, usage)
+                    continue
+                if piece.leftover.token_ids:  # their log probabilities still go out
+                    yield answer.chunk(piece.leftover, usage)
+                yield answer.chunk(piece.final, usage)
+                if usage:
+                    yield answer.usage_chunk(piece.final)
 
         if body.stream:
             return await self._answer(request, params, chunks, True, "[DONE]")
@@ -476,24 +469,17 @@ class HttpFront:
             """One response with the whole text; or, streaming, one per text delta (the
             text so far with accumulate_tokens), and one empty response if there was none. A
             delta with no text yet passes its log probabilities on to the next response."""
+            if not stream:
+                final = await final_of(events)
+                yield response(final.text, final.log_probs)
+                return
             shown = ""
-            carry: tuple[float, ...] | None = None
-            async for event in events:
-                if isinstance(event, Final):
-                    if not stream:
-                        yield response(event.text, event.log_probs)
-                    elif not shown or carry:
-                        yield response("", carry)
-                    return
-                if not stream:
-                    continue
-                if event.log_probs is not None:
-                    carry = (carry or ()) + event.log_probs
-                if event.text:
-                    shown += event.text
-                    yield response(shown if accumulate else event.text, carry)
-                    carry = None
-            raise InternalError("generation ended without a final answer")
+            async for piece in shown_pieces(events):
+                if isinstance(piece, Delta):
+                    shown += piece.text
+                    yield response(shown if accumulate else piece.text, piece.log_probs)
+                elif not shown or piece.leftover.log_probs:
+                    yield response("", piece.leftover.log_probs)
 
         return await self._answer(request, params, shape, streamed, None)
 

@@ -8,8 +8,9 @@ carries its tokens' `output_log_probs` and the row's `cum_log_probs`. Triton's r
 parameters `priority` (1 is most urgent) and `timeout` (microseconds in the queue) are honoured
 here.
 
-Over 500 lines until the fronts' shared presentation (hold a delta until it has text, the
-stream's replies) moves out of the three fronts into one place (issue 30's next step).
+Over 500 lines: the text contract (its inputs, metadata and config), the pass-through of every
+other KServe call to Triton, and the streamed replies of both contracts; the engine contract's
+parsing is kserve_engine.py, what the fronts share presentation.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -34,7 +34,6 @@ from scheduler_svc import __version__
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import (
     BadRequestError,
-    InternalError,
     OverloadedError,
     RequestError,
     UnknownModelError,
@@ -60,8 +59,9 @@ from scheduler_svc.serving.fronts.kserve_params import (
     triton_urgency,
     typed_contents,
 )
+from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
 from scheduler_svc.serving.fronts.status import Context
-from scheduler_svc.serving.service import Delta, GenerationParams, GenerationService
+from scheduler_svc.serving.service import Delta, GenerationParams, GenerationService, final_of
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_NAME_CHARS = 256
@@ -595,12 +595,11 @@ class KServeFront(kserve_grpc.GRPCInferenceServiceServicer):  # type: ignore[mis
         except RequestError as exc:
             await out.put(_stream_error(request, exc))
         except Exception as exc:  # a bug: this request still gets its one answer
-            error_id = uuid.uuid4().hex[:12]
-            log.error("internal error", method="ModelStreamInfer", error_id=error_id, exc_info=exc)
-            self.service.loop.metrics.internal_errors.labels("ModelStreamInfer").inc()
-            await out.put(
-                _stream_error(request, InternalError(f"internal error {error_id} (logged)"))
+            metrics = self.service.loop.metrics
+            error = logged_internal_error(
+                log, exc, metrics, "ModelStreamInfer", method="ModelStreamInfer"
             )
+            await out.put(_stream_error(request, error))
 
     async def _engine_row_streamed(
         self,
@@ -652,33 +651,26 @@ class KServeFront(kserve_grpc.GRPCInferenceServiceServicer):  # type: ignore[mis
         so the very last response of the request can be flagged final), or the whole row at
         the end. A delta that shows nothing (ids whose text is not complete yet) rides with
         the next one, so every token's log probability goes out exactly once."""
-        held: Delta | None = None
-        carry = Delta()
-        cum = 0.0  # the row's log probabilities so far, up to the held piece
         async with contextlib.aclosing(self.service.generate(params)) as events:
-            async for event in events:
-                if isinstance(event, Delta):
-                    if not stream:
-                        continue
-                    piece = carry + event
-                    if not shows(piece):
-                        carry = piece
-                        continue
+            if not stream:
+                final = await final_of(events)
+                left[0] -= 1
+                whole = Delta(final.text, final.token_ids, final.log_probs)
+                await out.put(answer(whole, sum(whole.log_probs or ()), left[0] == 0))
+                return
+            held: Delta | None = None
+            cum = 0.0  # the row's log probabilities so far, up to the held piece
+            async for piece in shown_pieces(events, shows):
+                if isinstance(piece, Delta):
                     if held is not None:
                         cum += sum(held.log_probs or ())
                         await out.put(answer(held, cum, False))
-                    held, carry = piece, Delta()
+                    held = piece
                     continue
                 left[0] -= 1
-                if stream:
-                    last = (held or Delta()) + carry
-                    cum += sum(last.log_probs or ())
-                else:
-                    last = Delta(event.text, event.token_ids, event.log_probs)
-                    cum = sum(last.log_probs or ())
+                last = (held or Delta()) + piece.leftover
+                cum += sum(last.log_probs or ())
                 await out.put(answer(last, cum, left[0] == 0))
-                return
-        raise InternalError("generation ended without a final answer")
 
 
 async def _side_by_side(work: list[Coroutine[Any, Any, T]]) -> list[T]:
