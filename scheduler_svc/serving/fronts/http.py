@@ -48,13 +48,13 @@ from scheduler_svc.errors import (
 from scheduler_svc.serving import auth
 from scheduler_svc.serving.chat import ChatTemplate
 from scheduler_svc.serving.fronts import openai
-from scheduler_svc.serving.fronts.guard import Identity, admit
-from scheduler_svc.serving.fronts.kserve import (
+from scheduler_svc.serving.fronts.ensemble import (
     INPUTS,
     OUTPUT,
     ensemble_metadata,
     params_from_inputs,
 )
+from scheduler_svc.serving.fronts.guard import Identity, admit
 from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
 from scheduler_svc.serving.service import (
     Delta,

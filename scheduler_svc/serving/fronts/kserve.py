@@ -8,9 +8,10 @@ carries its tokens' `output_log_probs` and the row's `cum_log_probs`. Triton's r
 parameters `priority` (1 is most urgent) and `timeout` (microseconds in the queue) are honoured
 here.
 
-Over 500 lines: the text contract (its inputs, metadata and config), the pass-through of every
-other KServe call to Triton, and the streamed replies of both contracts; the engine contract's
-parsing is kserve_engine.py, what the fronts share presentation.py.
+Over 500 lines: one servicer answers the text contract's calls, passes every other KServe call
+through to Triton, and streams the replies of both contracts; the text contract itself is
+ensemble.py, the engine contract's parsing kserve_engine.py, what the fronts share
+presentation.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -31,7 +32,6 @@ from tritonclient.grpc import service_pb2_grpc as kserve_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from scheduler_svc import __version__
-from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import (
     BadRequestError,
     OverloadedError,
@@ -41,6 +41,13 @@ from scheduler_svc.errors import (
     clip,
     grpc_status,
 )
+from scheduler_svc.serving.fronts.ensemble import (
+    INPUTS,
+    OUTPUT,
+    TEXT_OUTPUTS,
+    ensemble_metadata,
+    params_from_inputs,
+)
 from scheduler_svc.serving.fronts.kserve_engine import (
     engine_batch_response,
     engine_response,
@@ -48,15 +55,12 @@ from scheduler_svc.serving.fronts.kserve_engine import (
 )
 from scheduler_svc.serving.fronts.kserve_params import (
     INDEX_OUTPUTS,
-    LOG_PROB_OUTPUTS,
     MAX_ROWS,
     add_log_probs,
     add_row_index,
     raw_dtype,
-    refuse_what_the_engine_cannot_do,
     request_parameter,
     route_parameters,
-    triton_urgency,
     typed_contents,
 )
 from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
@@ -68,64 +72,6 @@ MAX_NAME_CHARS = 256
 
 log = structlog.get_logger("scheduler_svc.kserve")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _Spec:
-    datatype: str
-    config_type: int
-    optional: bool
-    words: bool = False  # a list of words per request ([1, n]), not one value
-
-
-INPUTS: dict[str, _Spec] = {
-    "text_input": _Spec("BYTES", mc.TYPE_STRING, False),
-    "max_tokens": _Spec("INT32", mc.TYPE_INT32, False),
-    "stream": _Spec("BOOL", mc.TYPE_BOOL, True),
-    "temperature": _Spec("FP32", mc.TYPE_FP32, True),
-    "top_k": _Spec("INT32", mc.TYPE_INT32, True),
-    "top_p": _Spec("FP32", mc.TYPE_FP32, True),
-    "random_seed": _Spec("UINT64", mc.TYPE_UINT64, True),
-    "end_id": _Spec("INT32", mc.TYPE_INT32, True),
-    "pad_id": _Spec("INT32", mc.TYPE_INT32, True),
-    "bad_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
-    "stop_words": _Spec("BYTES", mc.TYPE_STRING, True, words=True),
-    "length_penalty": _Spec("FP32", mc.TYPE_FP32, True),
-    "repetition_penalty": _Spec("FP32", mc.TYPE_FP32, True),
-    "min_length": _Spec("INT32", mc.TYPE_INT32, True),
-    "presence_penalty": _Spec("FP32", mc.TYPE_FP32, True),
-    "frequency_penalty": _Spec("FP32", mc.TYPE_FP32, True),
-    "beam_width": _Spec("INT32", mc.TYPE_INT32, True),
-    "return_log_probs": _Spec("BOOL", mc.TYPE_BOOL, True),
-    "return_context_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
-    "return_generation_logits": _Spec("BOOL", mc.TYPE_BOOL, True),
-    "exclude_input_in_output": _Spec("BOOL", mc.TYPE_BOOL, True),
-}
-
-OUTPUT = "text_output"
-
-
-def ensemble_metadata(model: str) -> dict[str, Any]:
-    """The text ensemble's metadata as Triton reports it: what the gRPC and the HTTP front both
-    answer for `model` (inputs [rows, n], outputs with each row's batch and sequence index)."""
-    return {
-        "name": model,
-        "versions": ["1"],
-        "platform": "ensemble",
-        "inputs": [
-            {"name": name, "datatype": spec.datatype, "shape": [-1, -1 if spec.words else 1]}
-            for name, spec in INPUTS.items()
-        ],
-        "outputs": [
-            {"name": OUTPUT, "datatype": "BYTES", "shape": [-1, -1]},
-            {"name": "cum_log_probs", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "output_log_probs", "datatype": "FP32", "shape": [-1, -1, -1]},
-            *({"name": name, "datatype": "INT32", "shape": [-1, 1]} for name in INDEX_OUTPUTS),
-        ],
-    }
-
-
-TEXT_OUTPUTS = (OUTPUT, *LOG_PROB_OUTPUTS, *INDEX_OUTPUTS)
 
 
 def _deserialize_bytes(raw: bytes) -> list[bytes]:
@@ -230,82 +176,6 @@ def parse_infer_request(
     ]
     stream = columns.get("stream", [False])
     return params, bool(stream[0])
-
-
-def params_from_inputs(
-    values: dict[str, object],
-    request_id: str,
-    priority: int | None,
-    timeout_us: int | None,
-    time_remaining_s: float | None,
-) -> GenerationParams:
-    """The generation parameters of the ensemble's inputs (checked against INPUTS: names and
-    types) and Triton's request parameters `priority` and `timeout`."""
-    for name, spec in INPUTS.items():
-        if not spec.optional and name not in values:
-            raise BadRequestError(f"missing required input '{name}'")
-    raw_text = values["text_input"]
-    if isinstance(raw_text, str):
-        text = raw_text
-    else:
-        assert isinstance(raw_text, bytes)
-        try:
-            text = raw_text.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequestError(
-                f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})"
-            ) from None
-    if timeout_us is not None and timeout_us < 0:
-        raise BadRequestError(f"parameter timeout: {timeout_us} is negative")
-    refuse_what_the_engine_cannot_do(values)
-    # length_penalty only ranks beams: with one beam it changes nothing, so it is accepted.
-
-    def number(name: str, default: float) -> float:
-        return float(values.get(name, default))  # type: ignore[arg-type]
-
-    return GenerationParams(
-        request_id=request_id,
-        prompt=text,
-        max_tokens=int(values["max_tokens"]),  # type: ignore[call-overload]
-        sampling=Sampling(
-            temperature=number("temperature", 0.0),
-            top_k=int(values.get("top_k", 0)),  # type: ignore[call-overload]
-            top_p=number("top_p", 0.0),
-            seed=int(values.get("random_seed", 0)),  # type: ignore[call-overload]
-            min_length=int(values.get("min_length", 0)),  # type: ignore[call-overload]
-            repetition_penalty=number("repetition_penalty", 1.0),
-            presence_penalty=number("presence_penalty", 0.0),
-            frequency_penalty=number("frequency_penalty", 0.0),
-        ),
-        end_id=int(values["end_id"]) if "end_id" in values else None,  # type: ignore[call-overload]
-        pad_id=int(values["pad_id"]) if "pad_id" in values else None,  # type: ignore[call-overload]
-        stop_words=_text_words(values.get("stop_words"), "stop_words"),
-        bad_words=_text_words(values.get("bad_words"), "bad_words"),
-        return_log_probs=bool(values.get("return_log_probs", False)),
-        urgency=triton_urgency(priority),
-        queue_timeout_s=timeout_us / 1e6 if timeout_us else None,
-        time_remaining_s=time_remaining_s,
-    )
-
-
-def _text_words(value: object, name: str) -> tuple[str, ...]:
-    """A words input as text: each element one word (empty ones dropped)."""
-    if value is None:
-        return ()
-    items = value if isinstance(value, list | tuple) else [value]
-    out = []
-    for item in items:
-        word = item
-        if isinstance(item, bytes):
-            try:
-                word = item.decode("utf-8")
-            except UnicodeDecodeError:
-                raise BadRequestError(f"{name}: a word is not valid UTF-8") from None
-        if not isinstance(word, str):
-            raise BadRequestError(f"{name}: expected text, got {clip(repr(word))}")
-        if word:
-            out.append(word)
-    return tuple(out)
 
 
 def _response(
