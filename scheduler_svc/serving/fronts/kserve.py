@@ -57,6 +57,7 @@ from scheduler_svc.serving.fronts.kserve_params import (
     INDEX_OUTPUTS,
     MAX_ROWS,
     add_log_probs,
+    add_output,
     add_row_index,
     raw_dtype,
     request_parameter,
@@ -191,10 +192,8 @@ def _response(
     response = kserve_pb.ModelInferResponse(
         model_name=request.model_name, model_version="1", id=request.id
     )
-    out = response.outputs.add()
-    out.name, out.datatype = OUTPUT, "BYTES"
-    out.shape.extend([len(texts), 1])
-    response.raw_output_contents.append(_serialize_bytes([t.encode("utf-8") for t in texts]))
+    encoded = _serialize_bytes([t.encode("utf-8") for t in texts])
+    add_output(response, OUTPUT, "BYTES", [len(texts), 1], encoded)
     if log_probs is not None:
         add_log_probs(response, log_probs, cums or [0.0] * len(texts))
     if row is not None:

@@ -25,6 +25,7 @@ from scheduler_svc.serving.fronts.kserve_params import (
     LOG_PROB_OUTPUTS,
     MAX_ROWS,
     add_log_probs,
+    add_output,
     add_row_index,
     raw_dtype,
     refuse_what_the_engine_cannot_do,
@@ -204,10 +205,7 @@ def engine_response(
         ("output_ids", [1, 1, len(tokens)], np.asarray(tokens, dtype="<i4")),
         ("sequence_length", [1, 1], np.asarray([len(tokens)], dtype="<i4")),
     ):
-        out = response.outputs.add()
-        out.name, out.datatype = name, "INT32"
-        out.shape.extend(shape)
-        response.raw_output_contents.append(data.tobytes())
+        add_output(response, name, "INT32", shape, data.tobytes())
     if piece.log_probs is not None:
         add_log_probs(response, [piece.log_probs], [cum])
     if row is not None:
@@ -231,9 +229,6 @@ def engine_batch_response(
         model_name=request.model_name, model_version="1", id=request.id
     )
     for name, data in (("output_ids", ids), ("sequence_length", lengths)):
-        out = response.outputs.add()
-        out.name, out.datatype = name, "INT32"
-        out.shape.extend(data.shape)
-        response.raw_output_contents.append(data.tobytes())
+        add_output(response, name, "INT32", data.shape, data.tobytes())
     add_log_probs(response, [f.log_probs for f in finals], [sum(f.log_probs or ()) for f in finals])
     return response

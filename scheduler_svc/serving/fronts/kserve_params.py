@@ -80,6 +80,21 @@ def triton_urgency(priority: int | None) -> Urgency:
     return {1: Urgency.INTERACTIVE, 2: Urgency.STANDARD}.get(priority, Urgency.BATCH)
 
 
+def add_output(
+    response: kserve_pb.ModelInferResponse,
+    name: str,
+    datatype: str,
+    shape: tuple[int, ...] | list[int],
+    raw: bytes,
+) -> None:
+    """One output tensor: its name, datatype and shape, and its raw contents in the same
+    position of `raw_output_contents`."""
+    out = response.outputs.add()
+    out.name, out.datatype = name, datatype
+    out.shape.extend(shape)
+    response.raw_output_contents.append(raw)
+
+
 def add_log_probs(
     response: kserve_pb.ModelInferResponse,
     rows: list[tuple[float, ...] | None],
@@ -97,19 +112,13 @@ def add_log_probs(
         values[i, 0, : len(row or ())] = row or ()
     cum = np.asarray([[c] for c in cums], dtype="<f4")
     for name, data in (("cum_log_probs", cum), ("output_log_probs", values)):
-        out = response.outputs.add()
-        out.name, out.datatype = name, "FP32"
-        out.shape.extend(data.shape)
-        response.raw_output_contents.append(data.tobytes())
+        add_output(response, name, "FP32", data.shape, data.tobytes())
 
 
 def add_row_index(response: kserve_pb.ModelInferResponse, row: int) -> None:
     """batch_index and sequence_index [1, 1]: which row of a batched request this answers."""
     for name, value in (("batch_index", row), ("sequence_index", 0)):
-        out = response.outputs.add()
-        out.name, out.datatype = name, "INT32"
-        out.shape.extend([1, 1])
-        response.raw_output_contents.append(np.asarray([[value]], dtype="<i4").tobytes())
+        add_output(response, name, "INT32", [1, 1], np.asarray([[value]], dtype="<i4").tobytes())
 
 
 def refuse_what_the_engine_cannot_do(values: dict[str, object]) -> None:
