@@ -153,15 +153,19 @@ class GenerationParams:
 class Delta:
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    # One per token id, where the request asked for log probabilities (None otherwise).
+    # One per token id, where the request asked for log probabilities (None otherwise): its
+    # log probability, and the text it added (what OpenAI's logprobs objects show).
     log_probs: tuple[float, ...] | None = None
+    token_texts: tuple[str, ...] | None = None
 
     def __add__(self, later: Delta) -> Delta:
         """This delta and a later one as one (a front that holds back a delta with no text)."""
-        probs = None
+        probs = texts = None
         if self.log_probs is not None or later.log_probs is not None:
             probs = (self.log_probs or ()) + (later.log_probs or ())
-        return Delta(self.text + later.text, self.token_ids + later.token_ids, probs)
+        if self.token_texts is not None or later.token_texts is not None:
+            texts = (self.token_texts or ()) + (later.token_texts or ())
+        return Delta(self.text + later.text, self.token_ids + later.token_ids, probs, texts)
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,7 @@ class Final:
     total_ms: float
     lane: str
     log_probs: tuple[float, ...] | None = None  # one per token id, where asked
+    token_texts: tuple[str, ...] | None = None  # the text each id added, where asked
 
 
 async def final_of(events: AsyncIterator[Delta | Final]) -> Final:
@@ -628,6 +633,7 @@ class GenerationService:
         log_probs: list[float] = []
         async for tokens in ticket.channel.tokens(ends_at):
             run.first_token_at = run.first_token_at or self.clock()
+            before = len(text.token_texts)
             delta = text.push(tokens.ids)
             run.completion_tokens = len(text.ids)
             probs = None
@@ -639,12 +645,13 @@ class GenerationService:
                         f"{len(tokens.ids)} tokens"
                     )
                 log_probs += probs
-            yield Delta(delta, tuple(tokens.ids), probs)
+            texts = tuple(text.token_texts[before:]) if asked else None
+            yield Delta(delta, tuple(tokens.ids), probs, texts)
             if text.stopped:
                 break  # leaving closes the row's channel: the runner stops it in the engine
         tail = text.finish()
         if tail:
-            yield Delta(tail, (), () if asked else None)
+            yield Delta(tail, (), () if asked else None, () if asked else None)
         ended = self.clock()
         run.outcome = "ok"
         yield Final(
@@ -659,6 +666,7 @@ class GenerationService:
             total_ms=(ended - run.started) * 1000,
             lane=run.lane,
             log_probs=tuple(log_probs) if asked else None,
+            token_texts=tuple(text.token_texts) if asked else None,
         )
 
 

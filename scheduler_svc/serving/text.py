@@ -23,6 +23,9 @@ class TextStream:
         self._stops = [s for s in stop if s]
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         self.ids: list[int] = []
+        # What each id added to the decoded text ("" for one that only begins a character; the
+        # id that completes it carries the character), stop strings not applied.
+        self.token_texts: list[str] = []
         self.text = ""  # emitted so far
         self._held = ""  # decoded, not yet emitted (might begin a stop string)
         self.stopped = False
@@ -33,9 +36,9 @@ class TextStream:
             return ""
         for token in ids:
             self.ids.append(token)
-            piece = self._decoder.step(self._tokenizer, token)
-            if piece:
-                self._held += piece
+            piece = self._decoder.step(self._tokenizer, token) or ""
+            self.token_texts.append(piece)
+            self._held += piece
         return self._release(final=False)
 
     def finish(self) -> str:

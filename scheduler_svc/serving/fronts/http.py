@@ -378,7 +378,7 @@ class HttpFront:
             body, self.model, request_id, self._objective(request), tenant, self.chat
         )
         params = self._routed(request, params)
-        answer = openai.Answer(chat, request_id, self.model, self.service.tokenizer)
+        answer = openai.Answer(chat, request_id, self.model)
         usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def whole(events: AsyncIterator[Delta | Final]) -> AsyncGenerator[object, None]:

@@ -15,12 +15,9 @@ batch) or from a gateway's objective header.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
@@ -231,59 +228,41 @@ def usage(final: Final) -> dict[str, int]:
     }
 
 
-class TokenTexts:
-    """Each generated token's text, in order: what it adds to the decoded text. A token that
-    only begins a character adds nothing; the token that completes it carries the character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._decoder = DecodeStream(skip_special_tokens=True)
-        self.offset = 0  # characters so far
-
-    def push(self, ids: Iterable[int]) -> list[tuple[str, int]]:
-        """(text, offset in the whole text) of each id."""
-        out = []
-        for token in ids:
-            piece = self._decoder.step(self._tokenizer, token) or ""
-            out.append((piece, self.offset))
-            self.offset += len(piece)
-        return out
-
-
 class Answer:
     """One request's OpenAI answer objects: whole, or chunk by chunk."""
 
-    def __init__(
-        self, chat: bool, response_id: str, model: str, tokenizer: Tokenizer | None = None
-    ) -> None:
+    def __init__(self, chat: bool, response_id: str, model: str) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + response_id
         self.model = model
         self.created = int(time.time())
         self._first = True
-        self._tokenizer = tokenizer
-        self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
+        self._offset = 0  # characters of the answer's tokens shown so far
 
     def _log_probs(
-        self, ids: tuple[int, ...], values: tuple[float, ...] | None
+        self, texts: tuple[str, ...] | None, values: tuple[float, ...] | None
     ) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens (chat: `content`; completions: tokens,
-        token_logprobs, text_offset), or None where none were asked."""
-        if values is None or self._texts is None:
+        """OpenAI's logprobs object for these tokens, from the text each added (chat:
+        `content`; completions: tokens, token_logprobs, text_offset), or None where none were
+        asked."""
+        if values is None or texts is None:
             return None
-        texts = self._texts.push(ids)
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
         if self.chat:
             return {
                 "content": [
                     {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                    for (t, _), v in zip(texts, values, strict=True)
+                    for t, v in zip(texts, values, strict=True)
                 ]
             }
         return {
-            "tokens": [t for t, _ in texts],
+            "tokens": list(texts),
             "token_logprobs": list(values),
             "top_logprobs": None,
-            "text_offset": [o for _, o in texts],
+            "text_offset": offsets,
         }
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -297,7 +276,7 @@ class Answer:
 
     def whole(self, final: Final) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish.value}
-        log_probs = self._log_probs(final.token_ids, final.log_probs)
+        log_probs = self._log_probs(final.token_texts, final.log_probs)
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
             choice["logprobs"] = log_probs
@@ -315,7 +294,7 @@ class Answer:
         text = event.text if isinstance(event, Delta) else ""
         log_probs = None
         if isinstance(event, Delta):
-            log_probs = self._log_probs(event.token_ids, event.log_probs)
+            log_probs = self._log_probs(event.token_texts, event.log_probs)
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or not finish else {}
             if self._first:

@@ -23,6 +23,7 @@ from scheduler_svc.serving.chat import PLAIN, ChatTemplate, Message
 from scheduler_svc.serving.fronts import openai
 from scheduler_svc.serving.fronts.http import _generate_inputs, _retry_headers, openai_error
 from scheduler_svc.serving.service import Delta, Final, Finish
+from scheduler_svc.serving.text import TextStream
 from scheduler_svc.serving.tokenizer import load_tokenizer
 
 PLAIN_CHAT = ChatTemplate(PLAIN, "plain")
@@ -111,20 +112,25 @@ def test_log_probs_and_penalties_go_to_the_engine() -> None:
 
 
 def test_log_prob_answers_have_openai_shapes() -> None:
+    """The texts come from the service's one detokenizer (TextStream), not a second decode."""
     tokenizer = load_tokenizer()
     ids = tuple(tokenizer.encode(" hello world", add_special_tokens=False).ids)
     probs = tuple(-0.5 * (i + 1) for i in range(len(ids)))
-    done = Final("r", " hello world", ids, Finish.LENGTH, 3, len(ids), 0, 0, 0, "hot", probs)
-    whole = openai.Answer(False, "abc", "ensemble", tokenizer).whole(done)["choices"][0]
+    stream = TextStream(tokenizer)
+    stream.push(ids)
+    texts = tuple(stream.token_texts)
+    done = Final("r", " hello world", ids, Finish.LENGTH, 3, len(ids), 0, 0, 0, "hot", probs, texts)
+    whole = openai.Answer(False, "abc", "ensemble").whole(done)["choices"][0]
     assert "".join(whole["logprobs"]["tokens"]) == " hello world"
     assert whole["logprobs"]["token_logprobs"] == list(probs)
-    assert whole["logprobs"]["text_offset"][0] == 0 and whole["logprobs"]["text_offset"][-1] > 0
-    chat = openai.Answer(True, "abc", "ensemble", tokenizer)
+    offsets = whole["logprobs"]["text_offset"]
+    assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    chat = openai.Answer(True, "abc", "ensemble")
     content = chat.whole(done)["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == list(probs)
     assert bytes(b for c in content for b in c["bytes"]).decode() == " hello world"
-    streamed = openai.Answer(True, "abc", "ensemble", tokenizer)
-    chunk = streamed.chunk(Delta(" hello", ids[:1], probs[:1]), False)["choices"][0]
+    streamed = openai.Answer(True, "abc", "ensemble")
+    chunk = streamed.chunk(Delta(" hello", ids[:1], probs[:1], texts[:1]), False)["choices"][0]
     assert chunk["logprobs"]["content"][0]["logprob"] == probs[0]
     assert "logprobs" not in chat.chunk(Delta("x", (1,)), False)["choices"][0]
 

@@ -68,3 +68,14 @@ def test_nothing_is_emitted_after_a_stop() -> None:
     assert text.stopped
     assert text.push(ids_of(" c d")) == "" and text.finish() == ""
     assert text.text == "a "
+
+
+def test_each_id_carries_the_text_it_added_once() -> None:
+    """What OpenAI's log-probability objects show per token: an id that only begins a character
+    adds "", the one that completes it the character; together, the whole text."""
+    source = "狐狸 🦊 naïve café"
+    ids = ids_of(source)
+    _, text = stream_all(ids, chunk=3)
+    assert len(text.token_texts) == len(ids)
+    assert "".join(text.token_texts) == TOKENIZER.decode(ids) == source
+    assert "" in text.token_texts  # the emoji's bytes span ids
