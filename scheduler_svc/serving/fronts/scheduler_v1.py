@@ -1,4 +1,5 @@
-"""The `scheduler.v1` front: `Scheduler.Generate`, `Scheduler.GenerateStream`, `Admin.GetStats`.
+"""The `scheduler.v1` fronts: `Scheduler` (Generate, GenerateStream) and `Admin` (stats, policy,
+drain and resume, Triton's models, the rollout), over the service and the controls.
 
 Requests are parsed inside the handlers (the method handlers take raw bytes), so a malformed
 message, invalid UTF-8 in a string field included, is answered INVALID_ARGUMENT. Errors are
