@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -112,17 +111,25 @@ class _Stop:
 _Message = _Submit | _Leave | _RowDone | _Progress | _ObserveKv | _Call | _Stop
 
 
+def event_loop_time() -> float:
+    """The running event loop's clock, in monotonic seconds."""
+    return asyncio.get_running_loop().time()
+
+
 class CoreLoop:
     """Owns a `Scheduler` and hands its released batches to the runners."""
 
     def __init__(
         self,
         scheduler: Scheduler,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         metrics: SidecarMetrics | None = None,
     ) -> None:
         self.scheduler = scheduler
-        self.clock = clock
+        # The one clock the core, the service's deadlines and asyncio's timeouts share: the
+        # running event loop's (time.monotonic() in production; virtual time in the shell's
+        # tests, scheduler_svc/testing/clock.py).
+        self.clock = clock or event_loop_time
         self.metrics = metrics or SidecarMetrics()
         self.metrics.admission = lambda: (self.accepted, self.rejected)
         self.runners: dict[Target, Runner] = {}

@@ -16,6 +16,7 @@ from scheduler_svc.serving.loop import CoreLoop
 from scheduler_svc.serving.rows import runner_for
 from scheduler_svc.serving.service import Delta, Final, GenerationParams, GenerationService
 from scheduler_svc.serving.tokenizer import load_tokenizer
+from scheduler_svc.testing.clock import run_virtual
 
 TOKENIZER = load_tokenizer()  # the packaged one, loaded once for every test
 
@@ -24,9 +25,12 @@ def serve(
     backend: Backend,
     body: Callable[[GenerationService, CoreLoop], Awaitable[None]],
     config: dict[str, Any] | None = None,
+    virtual_time: bool = True,
 ) -> None:
     """Run `body` against a ready service over `backend` (config: the sidecar's, as a mapping),
-    then close the loop and the service."""
+    then close the loop and the service. On virtual time (scheduler_svc/testing/clock.py)
+    unless `virtual_time` is False: tests of a front whose library does I/O on threads of its
+    own (gRPC) run in real time."""
     cfg = SidecarConfig.model_validate(config or {})
 
     async def main() -> None:
@@ -43,7 +47,10 @@ def serve(
             await loop.close()
             service.close()
 
-    asyncio.run(main())
+    if virtual_time:
+        run_virtual(main())
+    else:
+        asyncio.run(main())
 
 
 async def collect(service: GenerationService, params: GenerationParams) -> list[Delta | Final]:

@@ -19,6 +19,7 @@ from scheduler_svc.serving.backends.base import GenerationInput
 from scheduler_svc.serving.loop import CoreLoop, Ticket
 from scheduler_svc.serving.rows import BatchJob, RowRunner, StaticRunner
 from scheduler_svc.testing.backend import ScriptedBackend
+from scheduler_svc.testing.clock import run_virtual
 from scheduler_svc.testing.waiting import until
 
 STATIC = EngineProfile(Batching.STATIC, max_batch_size=64)
@@ -69,7 +70,7 @@ def run(
         finally:
             await loop.close()
 
-    asyncio.run(main())
+    run_virtual(main())  # virtual time: the 20 ms batch timers pass without waiting
 
 
 def test_a_static_engine_gets_each_released_batch_as_one_request_one_at_a_time() -> None:
@@ -82,7 +83,7 @@ def test_a_static_engine_gets_each_released_batch_as_one_request_one_at_a_time()
         # While the engine runs it, two more buckets form (lengths 8:1 apart) and wait.
         short = [await submit(loop, f"s{i}", 20) for i in range(2)]
         long = [await submit(loop, f"l{i}", 160) for i in range(2)]
-        await asyncio.sleep(0.05)  # past the 20 ms batch timeout: both buckets are ready
+        await asyncio.sleep(0.05)  # 50 virtual ms, past the 20 ms batch timeout: both are ready
         assert loop.scheduler.lanes["hot"].head() is not None  # type: ignore[attr-defined]
         assert len(backend.calls) == 1 and loop.stats().queued == 4
         backend.release()

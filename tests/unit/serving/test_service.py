@@ -55,10 +55,8 @@ def test_a_stop_string_ends_the_answer_and_stops_the_row_in_the_engine() -> None
         final = events[-1]
         assert isinstance(final, Final) and final.finish is Finish.STOP
         assert final.completion_tokens < 50
-        for _ in range(1000):
-            if backend.calls[0].stopped or backend.calls[0].finished:
-                break
-            await asyncio.sleep(0.001)
+        call = backend.calls[0]
+        await until(lambda: call.stopped or call.finished, "the engine request ends")
         assert backend.calls[0].stopped  # the engine request ended early, not at max_tokens
         assert service.outcomes["ok"] == 1
 

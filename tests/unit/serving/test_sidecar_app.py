@@ -1,6 +1,7 @@
 """The composed process (`Sidecar`) over a scripted engine, in process: it binds its listeners,
-says SERVING once its backend is ready, serves a request, and on drain says NOT_SERVING and
-refuses new calls. tests/integration/ runs the same process against the real Triton."""
+says SERVING once its backend is ready, serves a request, and on drain refuses new calls
+while it finishes the one it holds. tests/integration/ runs the same process against the real
+Triton."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from scheduler_svc.testing.waiting import until
 def test_the_sidecar_serves_once_its_backend_is_ready_and_drains() -> None:
     cfg = SidecarConfig.model_validate(
         {
-            "server": {"port": 0, "admin_port": None, "http_port": None, "drain_grace_s": 1},
+            "server": {"port": 0, "admin_port": None, "http_port": None, "drain_grace_s": 30},
             "triton": {"health_interval_s": 0.05},
         }
     )
@@ -53,6 +54,13 @@ def test_the_sidecar_serves_once_its_backend_is_ready_and_drains() -> None:
             assert serving[-1] == health_pb2.HealthCheckResponse.SERVING
             answer = await stub.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=2))
             assert len(answer.token_ids) == 2
+            # One request is in the engine when the drain starts: the drain waits for it and
+            # refuses what comes after.
+            backend.hold()
+            held = asyncio.ensure_future(
+                stub.Generate(pb.GenerateRequest(prompt="Hello", max_tokens=2))
+            )
+            await until(lambda: len(backend.calls) == 2, "the second request reaches the engine")
             drained = asyncio.create_task(sidecar.drain())
             await until(lambda: sidecar.service.draining, "the sidecar drains")
             try:
@@ -61,6 +69,8 @@ def test_the_sidecar_serves_once_its_backend_is_ready_and_drains() -> None:
             except grpc.aio.AioRpcError as exc:
                 refused = exc.code()
             assert refused is grpc.StatusCode.UNAVAILABLE
+            backend.release()
+            assert len((await held).token_ids) == 2  # accepted before the drain: answered
             await drained
 
     asyncio.run(main())
