@@ -8,7 +8,13 @@ from typing import Protocol
 
 
 class Urgency(IntEnum):
-    """How soon a request wants service; lower sorts first."""
+    """How soon a request wants service; lower sorts first.
+
+    The one name inside the sidecar for what each wire spells its own way: scheduler.v1's
+    `priority`, the OpenAI body's vLLM-style `priority`, llm-d's objective header (mapped by
+    `http.objectives`) and KServe's `priority` parameter all become an `Urgency`, and
+    `queue.priority_lanes` pins a lane per urgency. The wire and config names stay: they are
+    the protocols' and users' words."""
 
     INTERACTIVE = 0
     STANDARD = 1
