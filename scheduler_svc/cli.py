@@ -14,8 +14,8 @@ Commands:
   spec-gate  draft/target n-gram overlap on a prompt set; pass or fail (the 92 % gate)
 
 Over 500 lines: the argument parsers of every command, and each command's few lines that call
-serving or a tool. The parsers could move beside their tools (issue 30's next step); new work
-goes into the tool's own module (`bench --engine-profile` lives in tools/bench/emulated*.py).
+serving or a tool; flat, read one command at a time, and no logic of its own. New work goes
+into the tool's own module (`bench --engine-profile` lives in tools/bench/emulated*.py).
 """
 
 from __future__ import annotations

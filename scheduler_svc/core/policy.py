@@ -64,9 +64,11 @@ Invariants (tests/unit/core/test_policy.py's state machine):
   gone (rows, KV; for a later lane, the budget); the later lanes' unprefilled prompt tokens
   exceed the budget only by one prompt sent alone.
 
-Over 500 lines on purpose for now: one class holds the policy's state, and both paths (lane
-order for static engines, deadline order for in-flight ones) read and change the same queues,
-reservations and counters. The layout issue (30) is where the two dispatch paths move apart.
+Over 500 lines on purpose: one class holds the policy's state, and both paths (lane order for
+static engines, deadline order for in-flight ones) read and change the same queues,
+reservations and counters inside one atomic `schedule(now)`; the parts without that state are
+modules of their own (admission, bucketing, kv, predict, shares, breaker, slo, engine). Moving
+the two dispatch paths apart would hand the whole state to each, so they stay here.
 """
 
 from __future__ import annotations

@@ -49,10 +49,11 @@ from scheduler_svc.errors import (
 )
 from scheduler_svc.serving.auth import ANONYMOUS_CLIENT, NOBODY
 from scheduler_svc.serving.backends.base import Backend
+from scheduler_svc.serving.backends.codec import is_text_contract
 from scheduler_svc.serving.backends.groups import GroupedBackend, RolloutView, RolloutWatch
 from scheduler_svc.serving.backends.kvpoll import poll_kv
 from scheduler_svc.serving.backends.pool import TritonPool
-from scheduler_svc.serving.backends.triton import TritonBackend, is_text_contract
+from scheduler_svc.serving.backends.triton import TritonBackend
 from scheduler_svc.serving.chat import ChatTemplate
 from scheduler_svc.serving.fronts import kserve, scheduler_v1
 from scheduler_svc.serving.fronts.controls import SidecarControls

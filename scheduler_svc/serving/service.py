@@ -8,33 +8,28 @@ service never talks to a backend: it reads its own row's tokens and turns them i
 end, or raises a `RequestError`. Whatever happens, the request leaves the core loop exactly once
 and one log line records how it ended.
 
-Over 500 lines: validation and tokenizing, the queue hand-off and detokenizing are one class
-today; splitting the request's stages is issue 30's next step.
+The request's bounds are checks.py's, its log line and tenant metrics accounting.py's, its
+types (GenerationParams, Delta, Final) contracts/generation.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
-import struct
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import structlog
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import QuotaConfig, SidecarConfig, TenantQuota
-from scheduler_svc.contracts.sampling import Sampling
+from scheduler_svc.contracts.generation import Delta, Final, Finish, GenerationParams
 from scheduler_svc.core.bucketing import root_tenant
 from scheduler_svc.core.quota import Limits, Refusal, TenantQuotas
 from scheduler_svc.core.routing import RouteClass
-from scheduler_svc.core.types import Decision, Expired, ExpireReason, Request, Urgency
+from scheduler_svc.core.types import Expired, ExpireReason, Request
 from scheduler_svc.errors import (
     BackendFailedError,
     BackendUnavailableError,
@@ -50,21 +45,16 @@ from scheduler_svc.errors import (
     clip,
 )
 from scheduler_svc.serving import auth
+from scheduler_svc.serving.accounting import RequestRecord, TenantShare
 from scheduler_svc.serving.backends.base import DEFAULT_ENGINE_MODEL, GenerationInput
+from scheduler_svc.serving.checks import MAX_WORD_TOKENS, check_request
 from scheduler_svc.serving.loop import CoreLoop, Ticket
-from scheduler_svc.serving.metrics import SidecarMetrics
 from scheduler_svc.serving.text import TextStream
 from scheduler_svc.serving.tokenqueue import TokenizerQueue
 
 log = structlog.get_logger("scheduler_svc.requests")
 
 DEFAULT_TEXT_MODEL = "ensemble"
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_WORDS = 64  # stop or bad words per request (the engine's own bound)
-MAX_WORD_TOKENS = 64
-MAX_REQUEST_ID_CHARS = 256
-MAX_TENANT_CHARS = auth.MAX_TENANT_CHARS
 # Long prompts wait in the tokenizer queue (scheduler_svc/serving/tokenqueue.py: bounded, taken in
 # turn by tenant) for the tokenizer threads, which let go of the GIL, so a long prompt never
 # holds up the event loop nor one tenant's burst everyone else's.
@@ -91,15 +81,6 @@ def tokenizer_threads() -> int:
     return max(1, cpus // 2)
 
 
-def float32(value: float) -> float:
-    """`value` as the engine receives it (a 32-bit float): too large becomes infinite, too small
-    becomes 0, NaN stays NaN."""
-    try:
-        return float(struct.unpack("<f", struct.pack("<f", value))[0])
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
 def make_quotas(cfg: QuotaConfig) -> TenantQuotas:
     def limits(q: TenantQuota) -> Limits:
         return Limits(q.max_concurrent, q.tokens_per_s, q.burst_tokens)
@@ -107,81 +88,6 @@ def make_quotas(cfg: QuotaConfig) -> TenantQuotas:
     return TenantQuotas(
         limits(cfg.default), {k: limits(v) for k, v in cfg.tenants.items()}, cfg.max_tenants
     )
-
-
-class Finish(StrEnum):
-    LENGTH = "length"
-    STOP = "stop"
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A request as either front hands it over, before validation."""
-
-    request_id: str = ""
-    prompt: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    # None takes the configured default.
-    max_tokens: int | None = None
-    sampling: Sampling = field(default_factory=Sampling)
-    # The engine's end and pad token ids for this request; None takes the model's.
-    end_id: int | None = None
-    pad_id: int | None = None
-    stop: tuple[str, ...] = ()
-    # TensorRT-LLM's word lists, as text: tokenized here (as the ensemble's preprocessing does)
-    # and sent to the engine. Stop words end generation and are part of the output; bad words
-    # are never generated.
-    stop_words: tuple[str, ...] = ()
-    bad_words: tuple[str, ...] = ()
-    # The same as token ids (the engine contract's stop_words_list / bad_words_list).
-    stop_word_ids: tuple[tuple[int, ...], ...] = ()
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()
-    # Each generated token's log probability back, where the engine produces them.
-    return_log_probs: bool = False
-    urgency: Urgency = Urgency.STANDARD
-    tenant: str = ""
-    # A conversation's id: a rollout keeps every request of a session on one version.
-    session: str = ""
-    # The engine precision the client asks for (a value `routes` names, e.g. fp16 or awq).
-    precision: str = ""
-    queue_timeout_s: float | None = None
-    # Seconds left until the client's deadline, when it set one.
-    time_remaining_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    # One per token id, where the request asked for log probabilities (None otherwise): its
-    # log probability, and the text it added (what OpenAI's logprobs objects show).
-    log_probs: tuple[float, ...] | None = None
-    token_texts: tuple[str, ...] | None = None
-
-    def __add__(self, later: Delta) -> Delta:
-        """This delta and a later one as one (a front that holds back a delta with no text)."""
-        probs = texts = None
-        if self.log_probs is not None or later.log_probs is not None:
-            probs = (self.log_probs or ()) + (later.log_probs or ())
-        if self.token_texts is not None or later.token_texts is not None:
-            texts = (self.token_texts or ()) + (later.token_texts or ())
-        return Delta(self.text + later.text, self.token_ids + later.token_ids, probs, texts)
-
-
-@dataclass(frozen=True)
-class Final:
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finish: Finish
-    prompt_tokens: int
-    completion_tokens: int
-    queue_ms: float
-    ttft_ms: float
-    total_ms: float
-    lane: str
-    log_probs: tuple[float, ...] | None = None  # one per token id, where asked
-    token_texts: tuple[str, ...] | None = None  # the text each id added, where asked
 
 
 async def final_of(events: AsyncIterator[Delta | Final]) -> Final:
@@ -298,105 +204,6 @@ class GenerationService:
             raise BadRequestError(f"prompt: {len(ids)} tokens, the model accepts at most {limit}")
         return ids
 
-    def _check_sizes(self, params: GenerationParams) -> None:
-        """Bounds on what the client sent, checked before any work is done on it."""
-        if len(params.request_id) > MAX_REQUEST_ID_CHARS:
-            raise BadRequestError(
-                f"request_id: {len(params.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
-            )
-        if len(params.tenant) > MAX_TENANT_CHARS:
-            raise BadRequestError(
-                f"tenant: {len(params.tenant)} characters, at most {MAX_TENANT_CHARS}"
-            )
-        for name in ("session", "precision"):
-            if len(getattr(params, name)) > MAX_TENANT_CHARS:
-                raise BadRequestError(
-                    f"{name}: {len(getattr(params, name))} characters, at most {MAX_TENANT_CHARS}"
-                )
-        if params.precision and params.precision not in self.precisions:
-            known = ", ".join(sorted(self.precisions)) or "none (no route names a precision)"
-            raise BadRequestError(
-                f"precision: {clip(params.precision)!r} is not routed; known: {known}"
-            )
-        if params.prompt is not None:
-            limit = self.cfg.model.prompt_bytes_limit
-            # Every character is at least one byte: a prompt longer in characters is refused
-            # without encoding it.
-            too_long = len(params.prompt) > limit
-            if too_long or len(params.prompt.encode("utf-8", "surrogatepass")) > limit:
-                raise BadRequestError(
-                    f"prompt: more than {limit} bytes (model.max_prompt_bytes, derived from "
-                    f"max_input_tokens {self.cfg.model.max_input_tokens})"
-                )
-
-    def _check_sampling(self, sampling: Sampling, max_tokens: int) -> None:
-        """Each field within what the engine takes. Floats are checked as the engine will see
-        them (32-bit): 1e39 is finite here and infinite there, where it would fail every row
-        batched with it."""
-        temperature = float32(sampling.temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise BadRequestError(
-                f"temperature: {sampling.temperature} is not a finite 32-bit number >= 0"
-            )
-        if not 0 <= sampling.top_p <= 1:
-            raise BadRequestError(f"top_p: {sampling.top_p} is outside 0..1")
-        if not 0 <= sampling.top_k <= self.vocab_size:
-            raise BadRequestError(
-                f"top_k: {sampling.top_k} is outside 0..{self.vocab_size} (the vocabulary)"
-            )
-        if not 0 <= sampling.seed < 2**64:
-            raise BadRequestError(f"seed: {sampling.seed} is outside 0..2**64-1")
-        if not 0 <= sampling.min_length <= max_tokens:
-            raise BadRequestError(
-                f"min_length: {sampling.min_length}, allowed 0..{max_tokens} (max_tokens)"
-            )
-        penalty = float32(sampling.repetition_penalty)
-        if not (math.isfinite(penalty) and penalty > 0):
-            raise BadRequestError(
-                f"repetition_penalty: {sampling.repetition_penalty} is not a positive 32-bit number"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(float32(getattr(sampling, name))):
-                raise BadRequestError(
-                    f"{name}: {getattr(sampling, name)} is not a finite 32-bit number"
-                )
-
-    def _check(self, params: GenerationParams) -> int:
-        """Validate what does not need the tokenizer; return the effective max_tokens."""
-        self._check_sizes(params)
-        model = self.cfg.model
-        max_tokens = model.default_max_tokens if params.max_tokens is None else params.max_tokens
-        if not 1 <= max_tokens <= model.max_output_tokens:
-            raise BadRequestError(
-                f"max_tokens: {params.max_tokens}, allowed 1..{model.max_output_tokens}"
-            )
-        self._check_sampling(params.sampling, max_tokens)
-        if len(params.stop) > MAX_STOP_STRINGS:
-            raise BadRequestError(f"stop: {len(params.stop)} strings, at most {MAX_STOP_STRINGS}")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in params.stop):
-            raise BadRequestError(f"stop: each string needs 1..{MAX_STOP_CHARS} characters")
-        for name in ("stop_words", "bad_words"):
-            words = getattr(params, name)
-            if len(words) > MAX_WORDS:
-                raise BadRequestError(f"{name}: {len(words)} words, at most {MAX_WORDS}")
-            if any(len(w) > MAX_STOP_CHARS for w in words):
-                raise BadRequestError(f"{name}: each word needs 1..{MAX_STOP_CHARS} characters")
-        for name in ("stop_word_ids", "bad_word_ids"):
-            words = getattr(params, name)
-            if len(words) > MAX_WORDS or any(not 0 < len(w) <= MAX_WORD_TOKENS for w in words):
-                raise BadRequestError(
-                    f"{name}: at most {MAX_WORDS} words of 1..{MAX_WORD_TOKENS} tokens"
-                )
-            if any(not 0 <= t < self.vocab_size for w in words for t in w):
-                raise BadRequestError(f"{name}: a token is outside the vocabulary")
-        if params.end_id is not None and not -1 <= params.end_id < self.vocab_size:
-            raise BadRequestError(f"end_id: {params.end_id} is outside -1..{self.vocab_size - 1}")
-        if params.pad_id is not None and not 0 <= params.pad_id < self.vocab_size:
-            raise BadRequestError(f"pad_id: {params.pad_id} is outside 0..{self.vocab_size - 1}")
-        if params.queue_timeout_s is not None and params.queue_timeout_s <= 0:
-            raise BadRequestError(f"timeout: {params.queue_timeout_s} s is not positive")
-        return max_tokens
-
     def _least_prompt_tokens(self, params: GenerationParams) -> int:
         """A lower bound of the prompt's tokens, known before tokenizing it."""
         if params.token_ids is not None:
@@ -430,13 +237,13 @@ class GenerationService:
         # counter per connection is common), as Triton allows. Inside, every request has an
         # id of its own.
         internal = uuid.uuid4().hex
-        run = _Run(
+        run = RequestRecord(
             request_id=params.request_id or internal,
             internal_id=internal,
             started=self.clock(),
             clock=self.clock,
         )
-        max_tokens = self._check(params)
+        max_tokens = check_request(params, self.cfg.model, self.vocab_size, self.precisions)
         tenant = auth.CURRENT.get().tenant_for(params.tenant)
         if self.draining:
             raise ShuttingDownError("the sidecar is draining; retry on another instance")
@@ -487,7 +294,7 @@ class GenerationService:
     async def _generate(
         self,
         params: GenerationParams,
-        run: _Run,
+        run: RequestRecord,
         tenant: str,
         prompt: tuple[int, ...],
         words: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]],
@@ -524,7 +331,7 @@ class GenerationService:
         deadline = run.started + remaining
         ends_at = asyncio.get_running_loop().time() + remaining
         ticket = await self._submit(run, tenant, request, row, deadline)
-        share = _TenantShare(self.loop.metrics, self._tenant_label(root_tenant(tenant)))
+        share = TenantShare(self.loop.metrics, self._tenant_label(root_tenant(tenant)))
         try:
             try:
                 async with asyncio.timeout_at(ends_at):
@@ -572,7 +379,12 @@ class GenerationService:
             asyncio.get_running_loop().call_soon(run.log_end, tenant, ended)
 
     async def _submit(
-        self, run: _Run, tenant: str, request: Request, row: GenerationInput, deadline: float
+        self,
+        run: RequestRecord,
+        tenant: str,
+        request: Request,
+        row: GenerationInput,
+        deadline: float,
     ) -> Ticket:
         try:
             return await self.loop.submit(request, row, deadline)
@@ -584,7 +396,9 @@ class GenerationService:
             log.info("request refused", **run.who(tenant), outcome=exc.type, reason=str(exc)[:200])
             raise
 
-    def _expired(self, decision: Expired, run: _Run, queue_timeout: float | None) -> RequestError:
+    def _expired(
+        self, decision: Expired, run: RequestRecord, queue_timeout: float | None
+    ) -> RequestError:
         waited = f"waited {run.queue_ms:.0f} ms in the sidecar queue ({decision.lane} lane)"
         # The policy's predicted wait where its lane has learned a drain rate; else the fixed one.
         retry = decision.retry_after_s or self.cfg.queue.retry_after_s
@@ -621,7 +435,7 @@ class GenerationService:
 
     async def _text(
         self,
-        run: _Run,
+        run: RequestRecord,
         params: GenerationParams,
         max_tokens: int,
         ticket: Ticket,
@@ -667,78 +481,4 @@ class GenerationService:
             lane=run.lane,
             log_probs=tuple(log_probs) if asked else None,
             token_texts=tuple(text.token_texts) if asked else None,
-        )
-
-
-class _TenantShare:
-    """One request's part in its root tenant's fair-share metrics: queued from admission to
-    the policy's decision, refused by reason, tokens served per lane."""
-
-    def __init__(self, metrics: SidecarMetrics, label: str) -> None:
-        self.metrics, self.label, self.queued = metrics, label, True
-        metrics.tenant_queued.labels(label).inc()
-
-    def _leave_queue(self) -> None:
-        if self.queued:
-            self.queued = False
-            self.metrics.tenant_queued.labels(self.label).dec()
-
-    def decided(self, decision: Decision) -> None:
-        self._leave_queue()
-        if isinstance(decision, Expired):
-            self.metrics.tenant_refusals.labels(self.label, decision.reason.value).inc()
-
-    def ended(self, run: _Run) -> None:
-        self._leave_queue()  # left before a decision: the client went, or the server's cap
-        if run.dispatched:
-            served = run.prompt_tokens + run.completion_tokens
-            self.metrics.tenant_tokens.labels(self.label, run.lane).inc(served)
-
-
-@dataclass
-class _Run:
-    """What one request's log line records."""
-
-    request_id: str  # the client's (or, when it gave none, the internal one)
-    internal_id: str  # the sidecar's own: the core's key and the engine request's id
-    started: float
-    queued_at: float | None = None
-    first_token_at: float | None = None
-    lane: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    outcome: str = "error"
-    dispatched: bool = False
-    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-    @property
-    def queue_ms(self) -> float:
-        return ((self.queued_at or self.clock()) - self.started) * 1000
-
-    def who(self, tenant: str) -> dict[str, object]:
-        """What every log line about this request names."""
-        return {
-            "request_id": self.request_id,
-            "sidecar_id": self.internal_id,
-            "tenant": tenant,
-            "prompt_tokens": self.prompt_tokens,
-        }
-
-    def log_end(self, tenant: str, ended: float) -> None:
-        """The request's one `request end` line (`ended`: when it ended, on the clock)."""
-        log.info(
-            "request end",
-            **self.who(tenant),
-            lane=self.lane,
-            outcome=self.outcome,
-            completion_tokens=self.completion_tokens,
-            queue_ms=round(((self.queued_at or ended) - self.started) * 1000, 2),
-            ttft_ms=round((self.first_token_at - self.started) * 1000, 2)
-            if self.first_token_at
-            else None,
-            total_ms=round((ended - self.started) * 1000, 2),
         )

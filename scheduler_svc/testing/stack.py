@@ -9,12 +9,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from scheduler_svc.config import SidecarConfig
+from scheduler_svc.contracts.generation import Delta, Final, GenerationParams
 from scheduler_svc.core.types import Target
 from scheduler_svc.serving.app import make_scheduler
 from scheduler_svc.serving.backends.base import Backend
 from scheduler_svc.serving.loop import CoreLoop
 from scheduler_svc.serving.rows import runner_for
-from scheduler_svc.serving.service import Delta, Final, GenerationParams, GenerationService
+from scheduler_svc.serving.service import GenerationService
 from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.testing.clock import run_virtual
 

@@ -1,5 +1,8 @@
 """Safe to expose, against the real Triton: roles and credentials, TLS and mTLS, bad input that
-is refused before work (never UNKNOWN), a frozen Triton, and SIGTERM with requests queued."""
+is refused before work (never UNKNOWN), a frozen Triton, and SIGTERM with requests queued.
+
+Over 500 lines: one flat live proof per hardening property, sharing this file's guarded
+sidecar and TLS Triton fixtures and its status helpers."""
 
 from __future__ import annotations
 

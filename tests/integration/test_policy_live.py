@@ -1,4 +1,7 @@
-"""The policy in the live request path: real Triton, real engine, real sidecar."""
+"""The policy in the live request path: real Triton, real engine, real sidecar.
+
+Over 500 lines: one flat live proof per policy feature, each starting its own sidecar with a
+given policy over the session's Triton through this file's helpers (start, ask, stats)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The production stack, validated without a GPU or a container engine: model repositories,
-docker-compose.yml, the Kubernetes manifests, the scripts, the alert rules and the dashboard."""
+docker-compose.yml, the Kubernetes manifests, the scripts, the alert rules and the dashboard.
+
+Over 500 lines: one flat test per deployed file, sharing the parsed stack; read by file."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from scheduler_svc.config import load_config
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.errors import ConfigError
 from scheduler_svc.profiles import load_profile
-from scheduler_svc.serving.backends.triton import profile_from_config
+from scheduler_svc.serving.backends.codec import profile_from_config
 
 
 def test_defaults_yaml_and_overrides_merge(tmp_path: Path) -> None:

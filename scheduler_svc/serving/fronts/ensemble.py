@@ -9,6 +9,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from scheduler_svc.contracts.generation import GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import BadRequestError, clip
 from scheduler_svc.serving.fronts.kserve_params import (
@@ -17,7 +18,6 @@ from scheduler_svc.serving.fronts.kserve_params import (
     refuse_what_the_engine_cannot_do,
     triton_urgency,
 )
-from scheduler_svc.serving.service import GenerationParams
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import structlog
 from aiohttp import web
 
 from scheduler_svc import __version__
+from scheduler_svc.contracts.generation import Delta, Final, GenerationParams
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import (
     BadRequestError,
@@ -56,13 +57,7 @@ from scheduler_svc.serving.fronts.ensemble import (
 )
 from scheduler_svc.serving.fronts.guard import Identity, admit
 from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
-from scheduler_svc.serving.service import (
-    Delta,
-    Final,
-    GenerationParams,
-    GenerationService,
-    final_of,
-)
+from scheduler_svc.serving.service import GenerationService, final_of
 
 log = structlog.get_logger("scheduler_svc.http")
 

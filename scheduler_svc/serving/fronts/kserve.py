@@ -32,6 +32,7 @@ from tritonclient.grpc import service_pb2_grpc as kserve_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from scheduler_svc import __version__
+from scheduler_svc.contracts.generation import Delta, GenerationParams
 from scheduler_svc.errors import (
     BadRequestError,
     OverloadedError,
@@ -66,7 +67,7 @@ from scheduler_svc.serving.fronts.kserve_params import (
 )
 from scheduler_svc.serving.fronts.presentation import logged_internal_error, shown_pieces
 from scheduler_svc.serving.fronts.status import Context
-from scheduler_svc.serving.service import Delta, GenerationParams, GenerationService, final_of
+from scheduler_svc.serving.service import GenerationService, final_of
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_NAME_CHARS = 256

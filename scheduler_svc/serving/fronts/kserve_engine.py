@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.generation import Delta, Final, GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.contracts.trtllm import INPUTS, read_word_lists
 from scheduler_svc.errors import BadRequestError, clip
@@ -34,7 +35,6 @@ from scheduler_svc.serving.fronts.kserve_params import (
     triton_urgency,
     typed_contents,
 )
-from scheduler_svc.serving.service import Delta, Final, GenerationParams
 
 MAX_DIMS = 4  # the contract's tensors have at most three ([rows, 2, n] word lists)
 MAX_ELEMENTS = 2**32  # far above any message the server accepts

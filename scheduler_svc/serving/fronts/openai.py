@@ -19,11 +19,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scheduler_svc.contracts.generation import Delta, Final, GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError, UnknownModelError, clip
 from scheduler_svc.serving.chat import ChatTemplate, Message
-from scheduler_svc.serving.service import Delta, Final, GenerationParams
 
 MAX_MESSAGES = 1024
 MAX_PROMPT_ITEMS = 1  # one prompt per request (n = 1, no prompt lists of several)

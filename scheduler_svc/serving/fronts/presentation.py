@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler_svc.contracts.generation import Delta, Final
 from scheduler_svc.errors import InternalError
 from scheduler_svc.serving.metrics import SidecarMetrics
-from scheduler_svc.serving.service import Delta, Final
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.contracts.generation import Final, Finish, GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
@@ -25,7 +26,7 @@ from scheduler_svc.serving import auth
 from scheduler_svc.serving.backends.groups import RolloutView
 from scheduler_svc.serving.fronts.status import Context
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.service import Final, Finish, GenerationParams, GenerationService
+from scheduler_svc.serving.service import GenerationService
 
 SERVICE = "scheduler.v1.Scheduler"
 

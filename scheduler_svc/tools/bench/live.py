@@ -34,7 +34,7 @@ from tritonclient.grpc import service_pb2_grpc
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.serving.backends.base import GenerationInput
-from scheduler_svc.serving.backends.triton import build_request, is_final, output_ids
+from scheduler_svc.serving.backends.codec import build_request, is_final, output_ids
 from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.sim.workload import SimRequest
 from scheduler_svc.tools.bench.plan import (

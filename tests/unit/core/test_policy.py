@@ -1,4 +1,8 @@
-"""The policy core: lanes, timeouts and their actions, KV admission, shares, aging, invariants."""
+"""The policy core: lanes, timeouts and their actions, KV admission, shares, aging, invariants.
+
+Over 500 lines: the state machine that checks every invariant at once needs the whole policy
+in one place, and the scenario tests beside it share its helpers (the policy's parts have
+their own files: test_policy_parts.py, test_fairness.py, test_routing.py)."""
 
 from __future__ import annotations
 

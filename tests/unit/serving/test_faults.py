@@ -7,11 +7,11 @@ tests/integration/test_hardening_live.py proves the same against the real Triton
 from __future__ import annotations
 
 import asyncio
-import struct
 from typing import Any
 
 import pytest
 
+from scheduler_svc.contracts.generation import GenerationParams
 from scheduler_svc.core.config import PolicyConfig
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.core.policy import PolicyScheduler
@@ -28,10 +28,7 @@ from scheduler_svc.serving.backends.base import GenerationInput
 from scheduler_svc.serving.backends.kvpoll import parse_kv_blocks, poll_kv
 from scheduler_svc.serving.fronts.guard import Identity
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.service import (
-    GenerationParams,
-    GenerationService,
-)
+from scheduler_svc.serving.service import GenerationService
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.testing.stack import collect, serve
 from scheduler_svc.testing.waiting import until
@@ -294,43 +291,6 @@ def test_an_http_body_that_arrives_slowly_is_cut_off_after_the_read_timeout() ->
         assert b"did not arrive within 0.2 s (server.read_timeout_s)" in rest
 
     serve(ScriptedBackend(), body, {"server": {"read_timeout_s": 0.2}})
-
-
-def test_a_malformed_triton_response_is_a_clear_backend_failure() -> None:
-    from tritonclient.grpc import service_pb2 as kserve_pb  # noqa: PLC0415
-
-    from scheduler_svc.errors import BackendFailedError  # noqa: PLC0415
-    from scheduler_svc.serving.backends.triton import (  # noqa: PLC0415
-        batch_index,
-        output_ids,
-        output_log_probs,
-    )
-
-    response = kserve_pb.ModelInferResponse()
-    response.outputs.add(name="output_ids", datatype="INT32")
-    response.raw_output_contents.append(b"\x01\x02\x03")  # 3 bytes of INT32
-    with pytest.raises(BackendFailedError, match="malformed 'output_ids'"):
-        output_ids(response)
-    empty = kserve_pb.ModelInferResponse()
-    empty.outputs.add(name="batch_index", datatype="INT32")
-    empty.raw_output_contents.append(b"")
-    with pytest.raises(BackendFailedError, match="empty 'batch_index'"):
-        batch_index(empty)
-    good = kserve_pb.ModelInferResponse()
-    good.outputs.add(name="output_ids", datatype="INT32")
-    good.raw_output_contents.append((7).to_bytes(4, "little") + (9).to_bytes(4, "little"))
-    assert output_ids(good) == [7, 9] and batch_index(good) == 0
-    # Log probabilities: the last values for the response's ids; missing or short is a failure.
-    with pytest.raises(BackendFailedError, match="no 'output_log_probs'"):
-        output_log_probs(good, 2)
-    good.outputs.add(name="output_log_probs", datatype="FP32")
-    good.raw_output_contents.append(struct.pack("<3f", -0.5, -1.5, -2.5))
-    assert output_log_probs(good, 2) == [-1.5, -2.5]
-    with pytest.raises(BackendFailedError, match="3 'output_log_probs' values for 4 ids"):
-        output_log_probs(good, 4)
-    typed = kserve_pb.ModelInferResponse()
-    typed.outputs.add(name="output_log_probs", datatype="FP32").contents.fp32_contents.extend([-1])
-    assert output_log_probs(typed, 1) == [-1.0]
 
 
 def test_an_unexpected_failure_in_a_streamed_request_still_answers_it_with_its_id() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_svc.contracts.generation import Delta, Final, Finish
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import (
     BadRequestError,
@@ -22,7 +23,6 @@ from scheduler_svc.errors import (
 from scheduler_svc.serving.chat import PLAIN, ChatTemplate, Message
 from scheduler_svc.serving.fronts import openai
 from scheduler_svc.serving.fronts.http import _generate_inputs, _retry_headers, openai_error
-from scheduler_svc.serving.service import Delta, Final, Finish
 from scheduler_svc.serving.text import TextStream
 from scheduler_svc.serving.tokenizer import load_tokenizer
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as kserve_pb
 
+from scheduler_svc.contracts.generation import Delta, Final, Finish, GenerationParams
 from scheduler_svc.serving.fronts.kserve import KServeFront
-from scheduler_svc.serving.service import Delta, Final, Finish, GenerationParams
 
 PROBS = (-0.1, -0.2, -0.3, -0.4)
 # Ids 5 and 8 complete no character on their own: their text comes with the next delta (8's

@@ -7,17 +7,13 @@ import threading
 
 import pytest
 
+from scheduler_svc.contracts.generation import Final, GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.errors import (
     BadRequestError,
 )
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.service import (
-    INLINE_PROMPT_CHARS,
-    Final,
-    GenerationParams,
-    GenerationService,
-)
+from scheduler_svc.serving.service import INLINE_PROMPT_CHARS, GenerationService
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.testing.stack import collect, record_tokenizing, serve
 

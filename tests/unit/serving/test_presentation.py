@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import structlog
 
+from scheduler_svc.contracts.generation import Delta, Final, Finish
 from scheduler_svc.errors import InternalError
 from scheduler_svc.serving.fronts.presentation import (
     Ending,
@@ -16,7 +17,7 @@ from scheduler_svc.serving.fronts.presentation import (
     shown_pieces,
 )
 from scheduler_svc.serving.metrics import SidecarMetrics
-from scheduler_svc.serving.service import Delta, Final, Finish, final_of
+from scheduler_svc.serving.service import final_of
 
 FINAL = Final("r", "héllo", (1, 2, 3, 4), Finish.LENGTH, 2, 4, 0.0, 1.0, 2.0, "hot", None)
 

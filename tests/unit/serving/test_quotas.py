@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from scheduler_svc.contracts.generation import Final, GenerationParams
 from scheduler_svc.core.quota import Limits, TenantQuotas
 from scheduler_svc.errors import (
     BadRequestError,
@@ -15,12 +16,7 @@ from scheduler_svc.errors import (
 from scheduler_svc.serving import auth
 from scheduler_svc.serving.auth import Principal
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.service import (
-    PREFIX_CHARS_PER_TOKEN,
-    Final,
-    GenerationParams,
-    GenerationService,
-)
+from scheduler_svc.serving.service import PREFIX_CHARS_PER_TOKEN, GenerationService
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.testing.stack import collect, record_tokenizing, serve
 from scheduler_svc.testing.waiting import until

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import structlog.testing
 
+from scheduler_svc.contracts.generation import Delta, Final, Finish, GenerationParams
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.errors import (
     BackendFailedError,
@@ -18,7 +19,7 @@ from scheduler_svc.errors import (
     QueueTimeoutError,
 )
 from scheduler_svc.serving.loop import CoreLoop
-from scheduler_svc.serving.service import Delta, Final, Finish, GenerationParams, GenerationService
+from scheduler_svc.serving.service import GenerationService
 from scheduler_svc.testing.backend import ScriptedBackend
 from scheduler_svc.testing.stack import TOKENIZER, collect, serve
 from scheduler_svc.testing.waiting import until
