@@ -8,9 +8,9 @@ Starts the embedded Triton (CPU reference engine) and the sidecar as separate pr
 Targets: Triton's `ensemble` (text in, text out, tokenized by Triton's preprocessing) and the
 `tensorrt_llm` model (token ids; the client tokenizes), both streamed, against the sidecar's
 scheduler.v1 `Generate` (unary), `GenerateStream` (text, and token ids) and its KServe
-`ensemble` (text, unary). Each is compared with Triton's path for the same input: time to the
-first tokens where streamed, and end to end. Prints Markdown tables and writes
-results/sidecar_overhead.json.
+`ensemble` (text, unary and streamed). Each is compared with Triton's path for the same
+input: time to the first tokens where streamed, and end to end. Prints Markdown tables and
+writes results/sidecar_overhead.json.
 
     .venv/bin/python benchmarks/sidecar_overhead.py [--rounds 200] [--seconds 10]
 """
@@ -128,6 +128,9 @@ def targets(triton_url: str, sidecar_url: str, max_tokens: int) -> dict[str, Cal
         await sidecar_kserve.infer("ensemble", _text_inputs(max_tokens))
         return None
 
+    async def sidecar_kserve_stream(start: float) -> float | None:
+        return await _stream_once(sidecar_kserve, _text_inputs(max_tokens, stream=True), start)
+
     return {
         "triton ensemble (text, streamed)": triton_ensemble,
         "triton tensorrt_llm (ids, streamed)": triton_engine,
@@ -135,6 +138,7 @@ def targets(triton_url: str, sidecar_url: str, max_tokens: int) -> dict[str, Cal
         "sidecar scheduler.v1 GenerateStream (text)": sidecar_v1_stream,
         "sidecar scheduler.v1 GenerateStream (ids)": sidecar_v1_ids,
         "sidecar KServe ensemble (text)": sidecar_kserve_unary,
+        "sidecar KServe ensemble (text, streamed)": sidecar_kserve_stream,
     }
 
 
@@ -144,6 +148,7 @@ BASE = {
     "sidecar scheduler.v1 GenerateStream (text)": "triton ensemble (text, streamed)",
     "sidecar scheduler.v1 GenerateStream (ids)": "triton tensorrt_llm (ids, streamed)",
     "sidecar KServe ensemble (text)": "triton ensemble (text, streamed)",
+    "sidecar KServe ensemble (text, streamed)": "triton ensemble (text, streamed)",
 }
 
 

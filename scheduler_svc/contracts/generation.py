@@ -59,6 +59,9 @@ class Delta:
     # log probability, and the text it added (what OpenAI's logprobs objects show).
     log_probs: tuple[float, ...] | None = None
     token_texts: tuple[str, ...] | None = None
+    # No token follows (the request reached max_tokens or a stop string): only text the
+    # detokenizer still held, then the Final. A stream front may send it with the Final.
+    last: bool = False
 
     def __add__(self, later: Delta) -> Delta:
         """This delta and a later one as one (a front that holds back a delta with no text)."""
@@ -67,7 +70,8 @@ class Delta:
             probs = (self.log_probs or ()) + (later.log_probs or ())
         if self.token_texts is not None or later.token_texts is not None:
             texts = (self.token_texts or ()) + (later.token_texts or ())
-        return Delta(self.text + later.text, self.token_ids + later.token_ids, probs, texts)
+        joined = (self.text + later.text, self.token_ids + later.token_ids)
+        return Delta(*joined, probs, texts, self.last or later.last)
 
 
 @dataclass(frozen=True)

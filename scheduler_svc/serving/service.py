@@ -460,12 +460,13 @@ class GenerationService:
                     )
                 log_probs += probs
             texts = tuple(text.token_texts[before:]) if asked else None
-            yield Delta(delta, tuple(tokens.ids), probs, texts)
+            last = tokens.last or text.stopped or len(text.ids) >= max_tokens
+            yield Delta(delta, tuple(tokens.ids), probs, texts, last)
             if text.stopped:
                 break  # leaving closes the row's channel: the runner stops it in the engine
         tail = text.finish()
         if tail:
-            yield Delta(tail, (), () if asked else None, () if asked else None)
+            yield Delta(tail, (), () if asked else None, () if asked else None, last=True)
         ended = self.clock()
         run.outcome = "ok"
         yield Final(

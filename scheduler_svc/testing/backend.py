@@ -98,15 +98,18 @@ class ScriptedBackend:
                 raise self.fail_with
             answers = [self._answer(row) for row in call.rows]
             # Lockstep, as an engine step gives every row its next id.
-            for step in range(max(len(a) for a in answers)):
-                for index, answer in enumerate(answers):
-                    if step < len(answer):
-                        ids = answer[step]
-                        # A scripted log probability per id, where the row asks: -1 / (its
-                        # position + 1), so a test can tell them apart and in order.
-                        probs = [-1.0 / (step + 1)] * len(ids)
-                        asked = call.rows[index].return_log_probs
-                        yield index, Tokens(ids, probs if asked else None)
+            steps = max(len(a) for a in answers)
+            for step in range(steps):
+                rows = [index for index, answer in enumerate(answers) if step < len(answer)]
+                for index in rows:
+                    ids = answers[index][step]
+                    # A scripted log probability per id, where the row asks: -1 / (its
+                    # position + 1), so a test can tell them apart and in order.
+                    probs = [-1.0 / (step + 1)] * len(ids)
+                    asked = call.rows[index].return_log_probs
+                    # Triton's final flag rides on the request's last response only.
+                    last = step == steps - 1 and index == rows[-1]
+                    yield index, Tokens(ids, probs if asked else None, last)
                 await asyncio.sleep(0)  # one engine step: let the readers run
             call.finished = True
         finally:

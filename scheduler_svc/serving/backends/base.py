@@ -41,6 +41,9 @@ class Tokens:
 
     ids: list[int]
     log_probs: list[float] | None = None
+    # The engine's own end of the request came with these ids (Triton's final flag): no more
+    # follow for this row.
+    last: bool = False
 
 
 DEFAULT_ENGINE_MODEL = "tensorrt_llm"  # TensorRT-LLM's engine model, as its templates name it

@@ -386,7 +386,7 @@ class TritonBackend:
                 if ids:
                     row = batch_index(infer)
                     probs = output_log_probs(infer, len(ids)) if row in log_probs else None
-                    yield row, Tokens(ids, probs)
+                    yield row, Tokens(ids, probs, last=final)
                 if final:
                     finished = True
                     return

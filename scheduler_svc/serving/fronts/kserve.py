@@ -517,10 +517,11 @@ class KServeFront(kserve_grpc.GRPCInferenceServiceServicer):  # type: ignore[mis
         answer: Callable[[Delta, float, bool], kserve_pb.ModelStreamInferResponse],
         shows: Callable[[Delta], bool],
     ) -> None:
-        """Generate one row and answer it: each piece that `shows` something (held back one,
-        so the very last response of the request can be flagged final), or the whole row at
-        the end. A delta that shows nothing (ids whose text is not complete yet) rides with
-        the next one, so every token's log probability goes out exactly once."""
+        """Generate one row and answer it: each piece that `shows` something as it comes, the
+        row's last piece (the engine said no token follows) held and flagged final with the end,
+        as Triton flags the response that carries the last token; or the whole row at the end.
+        A delta that shows nothing (ids whose text is not complete yet) rides with the next
+        one, so every token's log probability goes out exactly once."""
         async with contextlib.aclosing(self.service.generate(params)) as events:
             if not stream:
                 final = await final_of(events)
@@ -528,14 +529,15 @@ class KServeFront(kserve_grpc.GRPCInferenceServiceServicer):  # type: ignore[mis
                 whole = Delta(final.text, final.token_ids, final.log_probs)
                 await out.put(answer(whole, sum(whole.log_probs or ()), left[0] == 0))
                 return
-            held: Delta | None = None
+            held: Delta | None = None  # the last piece, once it came
             cum = 0.0  # the row's log probabilities so far, up to the held piece
             async for piece in shown_pieces(events, shows):
                 if isinstance(piece, Delta):
-                    if held is not None:
-                        cum += sum(held.log_probs or ())
-                        await out.put(answer(held, cum, False))
-                    held = piece
+                    if held is not None or piece.last:
+                        held = piece if held is None else held + piece
+                        continue
+                    cum += sum(piece.log_probs or ())
+                    await out.put(answer(piece, cum, False))
                     continue
                 left[0] -= 1
                 last = (held or Delta()) + piece.leftover

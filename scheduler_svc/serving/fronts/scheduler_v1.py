@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.contracts.generation import Final, Finish, GenerationParams
+from scheduler_svc.contracts.generation import Delta, Final, Finish, GenerationParams
 from scheduler_svc.contracts.sampling import Sampling
 from scheduler_svc.core.types import Urgency
 from scheduler_svc.errors import BadRequestError
@@ -125,10 +125,13 @@ class SchedulerFront:
         self, raw: bytes, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         params = to_params(parse_request(raw), context.time_remaining())
+        held = Delta()  # the last tokens, sent with the Final as one message
         async with contextlib.aclosing(self.service.generate(params)) as events:
             async for event in events:
                 if isinstance(event, Final):
-                    yield final_response(event, "", ())
+                    yield final_response(event, held.text, held.token_ids, held.log_probs or ())
+                elif event.last or held.last:
+                    held += event
                 elif event.text or event.token_ids:
                     yield pb.GenerateResponse(
                         request_id=params.request_id,

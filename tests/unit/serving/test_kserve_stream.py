@@ -19,20 +19,27 @@ from scheduler_svc.serving.fronts.kserve import KServeFront
 
 PROBS = (-0.1, -0.2, -0.3, -0.4)
 # Ids 5 and 8 complete no character on their own: their text comes with the next delta (8's
-# with the tail the detokenizer flushes at the end).
+# with the tail the detokenizer flushes at the end). Id 8 is the last (max_tokens 4), as the
+# service marks it.
 EVENTS = [
     Delta("", (5,), (-0.1,)),
     Delta("ab", (6,), (-0.2,)),
     Delta("c", (7,), (-0.3,)),
-    Delta("", (8,), (-0.4,)),
-    Delta("d", (), ()),
+    Delta("", (8,), (-0.4,), last=True),
+    Delta("d", (), (), last=True),
     Final("r", "abcd", (5, 6, 7, 8), Finish.LENGTH, 2, 4, 0.0, 0.0, 0.0, "hot", PROBS),
 ]
 
 
 class Replay:
+    def __init__(self, events: list[Delta | Final] = EVENTS) -> None:
+        self.events = events
+        self.out: asyncio.Queue[Any] | None = None
+        self.sent_before: list[int] = []  # responses out when each event was asked for
+
     async def generate(self, params: GenerationParams) -> AsyncGenerator[Delta | Final, None]:
-        for event in EVENTS:
+        for event in self.events:
+            self.sent_before.append(self.out.qsize() if self.out else 0)
             yield event
 
 
@@ -47,13 +54,17 @@ def _outputs(response: kserve_pb.ModelInferResponse) -> dict[str, np.ndarray[Any
     return got
 
 
-def _stream(engine: bool, stream: bool) -> list[kserve_pb.ModelInferResponse]:
-    front = KServeFront(Replay())  # type: ignore[arg-type]
+def _stream(
+    engine: bool, stream: bool, replay: Replay | None = None
+) -> list[kserve_pb.ModelInferResponse]:
+    replay = replay or Replay()
+    front = KServeFront(replay)  # type: ignore[arg-type]
     request = kserve_pb.ModelInferRequest(model_name="m", id="r")
     params = GenerationParams("r", prompt="x", max_tokens=4, return_log_probs=True)
 
     async def run() -> list[kserve_pb.ModelInferResponse]:
         out: asyncio.Queue[kserve_pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        replay.out = out
         streamed = front._engine_row_streamed if engine else front._row_streamed
         await streamed(request, params, stream, None, [1], out)
         return [out.get_nowait().infer_response for _ in range(out.qsize())]
@@ -90,3 +101,23 @@ def test_a_whole_answer_carries_every_log_probability() -> None:
         got = _outputs(response)
         assert got["output_log_probs"].reshape(-1).tolist() == pytest.approx(list(PROBS))
         assert float(got["cum_log_probs"][0, 0]) == pytest.approx(sum(PROBS))
+
+
+def test_each_piece_goes_out_before_the_next_token_and_the_last_rides_with_the_end() -> None:
+    replay = Replay()
+    responses = _stream(engine=False, stream=True, replay=replay)
+    # "ab" is out before "c" is asked for, "c" before id 8: nothing waits on a later token.
+    assert replay.sent_before == [0, 0, 1, 2, 2, 2]
+    finals = [r.parameters["triton_final_response"].bool_param for r in responses]
+    assert finals == [False, False, True]  # "d", the last piece, carries the final flag
+
+
+def test_an_end_the_engine_did_not_announce_is_an_empty_final_response() -> None:
+    unmarked = [
+        Delta("ab", (6,), (-0.2,)),
+        Final("r", "ab", (6,), Finish.STOP, 2, 1, 0.0, 0.0, 0.0, "hot", (-0.2,)),
+    ]
+    responses = _stream(engine=False, stream=True, replay=Replay(unmarked))
+    got = [_outputs(r) for r in responses]
+    assert [str(r["text_output"][0]) for r in got] == ["ab", ""]
+    assert [r.parameters["triton_final_response"].bool_param for r in responses] == [False, True]

@@ -47,6 +47,9 @@ def test_generate_and_stream_answer_and_bad_requests_are_invalid_argument() -> N
                 ]
                 assert sum(len(p.token_ids) for p in pieces) == 3
                 assert pieces[-1].finish_reason == whole.finish_reason != 0
+                # One message a token, the last token in the final message (no empty one).
+                assert [len(p.token_ids) for p in pieces] == [1, 1, 1]
+                assert "".join(p.text for p in pieces) == whole.text
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=10**6))
                 codes.append(refused.value.code())
