@@ -33,7 +33,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -53,6 +52,7 @@ from tritonclient.grpc import service_pb2 as kserve_pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2 as pb
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.testing.certs import Authority
+from scheduler_svc.testing.process import ready_ports, serve_command
 from scheduler_svc.tools.chaos_wire import (
     TlsCase,
     client_hello,
@@ -134,9 +134,7 @@ class SidecarUnderTest:
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / f"sidecar-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
-        command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--config", str(path)]
-        command += ["--triton-url", triton_url, "--port", "0", "--admin-port", "0"]
-        command += ["--host", "127.0.0.1"]
+        command = serve_command(triton_url, path)
         # gRPC core's own INFO lines (a refused handshake each) would drown the run's output.
         env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
@@ -155,9 +153,9 @@ class SidecarUnderTest:
                     event = json.loads(line)
                     if isinstance(event, dict):
                         self.events.append(event)
-                        if event.get("event") == "sidecar ready":
-                            self.port, self.admin_port = event["port"], event["admin_port"]
-                            self.http_port = event.get("http_port") or 0
+                        if (ports := ready_ports(event)) is not None:
+                            self.port, self.admin_port = ports.port, ports.admin_port or 0
+                            self.http_port = ports.http_port or 0
                             ready.set()
 
         self._reader = threading.Thread(target=read, daemon=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import grpc
 import yaml
 
 from scheduler_svc._gen.scheduler.v1 import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.testing.process import ready_ports, serve_command
 
 
 class SidecarProcess:
@@ -41,24 +41,9 @@ class SidecarProcess:
         self._reader: threading.Thread | None = None
 
     def start(self, timeout_s: float = 60) -> SidecarProcess:
+        config = self.config_path if self.config_file else None
         self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "scheduler_svc.cli",
-                "serve",
-                "--triton-url",
-                self.triton_url,
-                "--port",
-                "0",
-                "--admin-port",
-                "0",
-                "--http-port",
-                "0",
-                "--host",
-                "127.0.0.1",
-                *(["--config", str(self.config_path)] if self.config_file else []),
-            ],
+            serve_command(self.triton_url, config, http=True),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -75,11 +60,9 @@ class SidecarProcess:
         for line in self._proc.stdout:
             self.lines.append(line.rstrip("\n"))
             event = self._event(line)
-            if event and event.get("event") == "sidecar ready":
-                self.port = int(event["port"])
-                self.admin_port = event.get("admin_port")
-                self.http_port = event.get("http_port")
-                self.metrics_port = event.get("metrics_port")
+            if event and (ports := ready_ports(event)) is not None:
+                self.port, self.admin_port = ports.port, ports.admin_port
+                self.http_port, self.metrics_port = ports.http_port, ports.metrics_port
                 self._ready.set()
 
     @staticmethod

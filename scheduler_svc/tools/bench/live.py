@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +36,7 @@ from scheduler_svc.serving.backends.base import GenerationInput
 from scheduler_svc.serving.backends.codec import build_request, is_final, output_ids
 from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.sim.workload import SimRequest
+from scheduler_svc.testing.process import ready_ports, serve_command
 from scheduler_svc.tools.bench.plan import (
     BUDGET_TARGETS,
     DEFAULTS_TARGET,
@@ -157,18 +157,14 @@ def start_sidecar_process(
     """Start `scheduler-svc serve` on free ports (and an HTTP one when asked); return the
     process and its "sidecar ready" log event (the ports). Its JSON log (one line per request)
     goes to `log_path`."""
-    command = [sys.executable, "-m", "scheduler_svc.cli", "serve", "--triton-url", triton_url]
-    command += ["--port", "0", "--admin-port", "0", "--host", "127.0.0.1"]
-    if http:
-        command += ["--http-port", "0"]
-    if config is not None:
-        command += ["--config", str(config)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        serve_command(triton_url, config, http), stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     stdout = proc.stdout
     for line in stdout:
         event = json.loads(line)
-        if event.get("event") == "sidecar ready":
+        if ready_ports(event) is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
 
             def copy() -> None:  # keep the pipe drained so the sidecar never blocks on its log
