@@ -16,12 +16,23 @@ model of the engine is needed. A lane not yet learned borrows the rate of the wh
 (every lane's completions over time when any lane waited), which no single lane can beat, so
 the borrowed prediction errs short, towards admitting.
 
-Invariants: rates are finite and > 0 once trusted; sums are >= 0.
+Each lane also learns how long its requests take from their start in the engine to their first
+token (`FirstToken`: the median of its last FIRST_TOKEN_WINDOW starts). A request must start
+that much before its TTFT target to meet it, so on an in-flight engine the policy orders,
+times out and admits by the target less that time (`PolicyScheduler.start_budget`).
+
+Invariants: rates are finite and > 0 once trusted; sums are >= 0; a first-token time is the
+median of at most FIRST_TOKEN_WINDOW non-negative samples.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 from scheduler_svc.core.config import AdmissionConfig
+
+FIRST_TOKEN_WINDOW = 64  # starts a lane's first-token time is the median of
+FIRST_TOKEN_MIN = 8  # starts seen before the lane's first-token time is trusted
 
 
 class DrainRate:
@@ -60,3 +71,20 @@ class DrainRate:
         if self.tokens <= 0:
             return None
         return self.tokens / self.busy_s
+
+
+class FirstToken:
+    """One lane's recent seconds from a request's start in the engine to its first token."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
+
+    def observe(self, seconds: float) -> None:
+        self.samples.append(max(0.0, seconds))
+
+    def median(self) -> float | None:
+        """The median of the recent starts, or None while fewer than FIRST_TOKEN_MIN."""
+        if len(self.samples) < FIRST_TOKEN_MIN:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[len(ordered) // 2]

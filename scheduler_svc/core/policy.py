@@ -26,9 +26,11 @@ running, so each engine batch is one ratio-bounded bucket and buckets fill while
 On an in-flight engine (`continuous_batching`: rows join the running batch at every step, so
 holding a request back to fill or keep a batch only adds waiting) requests start in deadline
 order instead (`_dispatch_by_deadline`), work-conserving:
-- Ordering rule: each request's deadline is its arrival plus its lane's `ttft_target_s` (or the
-  client's deadline, if sooner); the queued request with the earliest deadline starts first,
-  across lanes, as soon as the engine has a free sequence and the KV pool admits it. Long work
+- Ordering rule: each request's deadline is its arrival plus its lane's start budget
+  (`start_budget`: `ttft_target_s` less the lane's learned time from start to first token, at
+  least MIN_START_SHARE of it) or the client's deadline, if sooner; the queued request with
+  the earliest deadline starts first, across lanes, as soon as the engine has a free sequence
+  and the KV pool admits it. Long work
   absorbs delay up to its own looser target; short work is never behind work due later.
   Within a lane tenants go in fair order (core/bucketing.py: `policy.fairness`), except that the
   lane's request due first passes the fair head once under URGENT_SHARE of its target is left,
@@ -39,11 +41,11 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   from the engine's cost per prompt token (`prefill_budget_tokens()` in core/config.py). The
   first lane's prompts are not budgeted: they pass a later lane held by the budget.
 - Starvation bound: a request is overtaken only by requests due before it, i.e. arriving less
-  than (its lane's target - the tightest lane's target) after it, or by first-lane requests
+  than (its lane's start budget - theirs, at most its target) after it, or by first-lane requests
   while the budget holds it, which lasts until the long prompts in the engine are prefilled.
 - Admission: refuse at arrival only what is predicted to start past what its lane allows
   (`allowed_wait`) after the work due before it (on the first lane: its own lane's), at the
-  engine's drain rate. A lane's timeout action fires at its TTFT target; a hot request past it
+  engine's drain rate. A lane's timeout action fires at its start budget; a hot request past it
   with no fallback is answered at once (not served from a lower lane seconds late); a requeue
   lane's request keeps its place while it waits again.
 
@@ -79,7 +81,7 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 
-from scheduler_svc.core.admission import DrainRate
+from scheduler_svc.core.admission import DrainRate, FirstToken
 from scheduler_svc.core.breaker import Breaker
 from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue, root_tenant
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
@@ -135,6 +137,9 @@ class PolicyEvent(StrEnum):
 # The share of its lane's TTFT target left before a request due first goes ahead of its lane's
 # fair head (when its tenant is not ahead in fair order by more than that request).
 URGENT_SHARE = 0.25
+# A lane's start budget never falls below this share of its TTFT target, however slow the
+# engine's first tokens lately were (a stalled engine must not make the lane refuse all).
+MIN_START_SHARE = 0.25
 
 
 class _TimerKind(StrEnum):
@@ -158,6 +163,7 @@ class _InFlight:
     batch_id: int = 0
     mispredicted: bool = False
     prefilling: bool = False  # dispatched, no first token yet (counts against prefill shares)
+    started_at: float = 0.0  # when it was dispatched
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,7 @@ class PolicyScheduler:
         self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
         self.drain = {lane.name: DrainRate(config.admission) for lane in config.lanes}
         self.pooled_drain = DrainRate(config.admission)  # every lane's completions together
+        self.first_token = {lane.name: FirstToken() for lane in config.lanes}
         self._queued_tokens = dict.fromkeys(self.lanes, 0)  # cost tokens waiting per lane
         self._prefill_tokens = dict.fromkeys(self.lanes, 0)  # prompt tokens not yet prefilled
         # In-flight engines: each lane's queued requests by start order (deadline, seq, request
@@ -374,19 +381,29 @@ class PolicyScheduler:
         """On an in-flight engine requests start in deadline order (`_dispatch_by_deadline`)."""
         return self.config.continuous_batching
 
+    def start_budget(self, lane: str) -> float:
+        """How long a request may wait in `lane` and still meet the lane's TTFT target: the
+        target less the lane's learned time from start to first token (its median over the
+        last starts), at least MIN_START_SHARE of the target; the whole target until learned."""
+        target = self.lanes[lane].config.ttft_target_s
+        engine = self.first_token[lane].median()
+        if engine is None:
+            return target
+        return max(MIN_START_SHARE * target, target - engine)
+
     def _order_key(self, lane: str, arrived_at: float, client_deadline: float | None) -> float:
-        """When a request must start by: its arrival plus its lane's TTFT target, or the
+        """When a request must start by: its arrival plus its lane's start budget, or the
         client's own deadline where that is sooner."""
-        key = arrived_at + self.lanes[lane].config.ttft_target_s
+        key = arrived_at + self.start_budget(lane)
         return key if client_deadline is None else min(key, client_deadline)
 
     def lane_timeout(self, lane: str) -> float | None:
         """How long a request waits in `lane` before the lane's timeout action: on an in-flight
-        engine its TTFT target (for a lane with a timeout at all), else its queue timeout."""
+        engine its start budget (for a lane with a timeout at all), else its queue timeout."""
         cfg = self.lanes[lane].config
         if cfg.queue_timeout_s is None or not self.deadline_order:
             return cfg.queue_timeout_s
-        return cfg.ttft_target_s
+        return self.start_budget(lane)
 
     def allowed_wait(self, lane: str) -> float | None:
         """The longest a request entering `lane` should wait there: until it would be refused
@@ -703,6 +720,7 @@ class PolicyScheduler:
                 Target.PRIMARY,
                 batch.batch_id,
                 prefilling=True,
+                started_at=self._now,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -937,6 +955,7 @@ class PolicyScheduler:
         if flight.prefilling and output_tokens > 0:
             flight.prefilling = False
             self._prefill_tokens[flight.lane] -= flight.prompt_tokens
+            self.first_token[flight.lane].observe(now - flight.started_at)
         used = flight.prompt_tokens + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to
         # prompt + max_tokens): outputs past a high quantile mostly end soon after it.

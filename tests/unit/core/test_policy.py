@@ -26,7 +26,7 @@ from scheduler_svc.core.config import (
     default_lanes,
     prefill_budget_tokens,
 )
-from scheduler_svc.core.policy import URGENT_SHARE, PolicyEvent, PolicyScheduler
+from scheduler_svc.core.policy import MIN_START_SHARE, URGENT_SHARE, PolicyEvent, PolicyScheduler
 from scheduler_svc.core.types import (
     Admitted,
     Dispatch,
@@ -317,6 +317,30 @@ def test_a_hot_request_past_its_target_is_answered_at_once_not_sent_down() -> No
     assert dict(policy.stats().counters)["requeued"] == 2
     [late] = policy.schedule(1.05)
     assert isinstance(late, Expired) and late.reason is ExpireReason.REQUEUE_LIMIT
+
+
+def test_a_lane_starts_its_requests_early_enough_for_the_engines_first_token() -> None:
+    policy = _in_flight(1)
+    assert policy.start_budget("hot") == 0.25  # nothing learned: the whole target
+    # Eight hot starts, each 100 ms from start to first token.
+    for i in range(8):
+        t = i * 0.2
+        policy.submit(req(f"r{i}", 100), t)
+        assert dispatched(policy.schedule(t)) == [f"r{i}"]
+        policy.on_progress(f"r{i}", 1, t + 0.1)
+        policy.on_done(f"r{i}", t + 0.15, 1)
+    assert policy.start_budget("hot") == pytest.approx(0.15)  # 250 ms less the engine's 100
+    assert policy.start_budget("warm") == 0.35  # its own lane learned nothing
+    policy.submit(req("run", 100), 2.0)
+    policy.schedule(2.0)
+    policy.submit(req("h0", 100), 2.0)
+    assert policy.schedule(2.14) == []
+    [expired] = policy.schedule(2.15)  # started later, it could not meet 250 ms: refused now
+    assert isinstance(expired, Expired) and expired.request_id == "h0"
+    # However slow the engine lately was, a lane keeps a quarter of its target to start in.
+    for _ in range(64):
+        policy.first_token["hot"].observe(5.0)
+    assert policy.start_budget("hot") == pytest.approx(MIN_START_SHARE * 0.25)
 
 
 def test_the_prefill_budget_follows_the_engines_cost_per_prompt_token() -> None:
