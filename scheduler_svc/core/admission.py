@@ -78,13 +78,13 @@ class FirstToken:
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
+        self._median: float | None = None  # kept per start: every arrival reads it
 
     def observe(self, seconds: float) -> None:
         self.samples.append(max(0.0, seconds))
+        if len(self.samples) >= FIRST_TOKEN_MIN:
+            self._median = sorted(self.samples)[len(self.samples) // 2]
 
     def median(self) -> float | None:
         """The median of the recent starts, or None while fewer than FIRST_TOKEN_MIN."""
-        if len(self.samples) < FIRST_TOKEN_MIN:
-            return None
-        ordered = sorted(self.samples)
-        return ordered[len(ordered) // 2]
+        return self._median

@@ -1,5 +1,11 @@
 """The full policy: lanes by length, length buckets, fair shares, KV admission, aging, breaker.
 
+Over 500 lines on purpose: one class holds the policy's state, and both paths (lane order for
+static engines, deadline order for in-flight ones) read and change the same queues,
+reservations and counters inside one atomic `schedule(now)`; the parts without that state are
+modules of their own (admission, bucketing, kv, predict, shares, breaker, slo, engine). Moving
+the two dispatch paths apart would hand the whole state to each, so they stay here.
+
 `submit` classifies a request into a lane (its prompt length, or the lane the client pinned;
 the circuit breaker may demote it one lane), predicts its output and either queues it in a
 length bucket or rejects it at once with a reason and a retry hint. Predictive admission
@@ -65,12 +71,6 @@ Invariants (tests/unit/core/test_policy.py's state machine):
 - in-flight engines: no dispatch leaves a queued request that was due earlier and could have
   gone (rows, KV; for a later lane, the budget); the later lanes' unprefilled prompt tokens
   exceed the budget only by one prompt sent alone.
-
-Over 500 lines on purpose: one class holds the policy's state, and both paths (lane order for
-static engines, deadline order for in-flight ones) read and change the same queues,
-reservations and counters inside one atomic `schedule(now)`; the parts without that state are
-modules of their own (admission, bucketing, kv, predict, shares, breaker, slo, engine). Moving
-the two dispatch paths apart would hand the whole state to each, so they stay here.
 """
 
 from __future__ import annotations

@@ -290,22 +290,15 @@ BUDGET = Plan(
 # Issue 28's overload target (5) and the 8:1 mix just below saturation (2), make run's sidecar
 # against Triton alone on the same arrivals, twice with fresh arrivals (~12 min): the short
 # form of the deadline plan for a change to when the policy refuses.
-OVERLOAD = Plan(
-    "overload",
-    ("inflight",),
-    tuple(
-        2
-        * (
-            _grid("inflight", ["mixed"], [1.2])
-            + _grid("inflight", ["spread_8to1"], [0.9])
-            + [Step("inflight", "burst", BURST_LOAD)]
-        )
+OVERLOAD = replace(
+    BUDGET,
+    name="overload",
+    steps=2
+    * (
+        *_grid("inflight", ["mixed"], [1.2]),
+        *_grid("inflight", ["spread_8to1"], [0.9]),
+        Step("inflight", "burst", BURST_LOAD),
     ),
-    duration_s=30.0,
-    burst_s=2.0,
-    calibrate_s=8.0,
-    deadline_s=30.0,
-    overhead_rounds=0,
     step_targets=("triton", DEFAULTS_TARGET),
     warmup_requests=32,
 )
