@@ -40,7 +40,7 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   absorbs delay up to its own looser target; short work is never behind work due later.
   Within a lane tenants go in fair order (core/bucketing.py: `policy.fairness`), except that the
   lane's request due first passes the fair head once under URGENT_SHARE of its target is left,
-  where its tenant is at most one of its requests ahead of that head.
+  where its tag is at most a typical request's span past that head's (`typical_span`).
 - Prefill budget: the later lanes' prompt tokens dispatched and not yet prefilled stay within
   `prefill_budget_tokens` (a prompt longer than that goes alone), so a short prompt arriving
   finds at most about one step of long-prompt work ahead of it; the shell derives the budget
@@ -299,13 +299,14 @@ class PolicyScheduler:
         self._settle_busy(now)
         return Admitted(rid)
 
-    def _push_out(self, lane: str, entry: Entry) -> None:
+    def _push_out(self, lane: str, entry: Entry, out: list[Decision] | None = None) -> None:
         """Answer a queued request now (RESOURCE_EXHAUSTED at the shell): a tenant under its
-        share needs its place. The hint is the wait its tenant's next request would have."""
+        share needs its place. The hint is the wait its tenant's next request would have. The
+        answer goes out with the step's decisions (`out`) or the next step's (at arrival)."""
         queue = self.lanes[lane]
         self._drop(lane, entry)
         retry = self.predicted_wait(lane, tag=queue.start_tag(entry.tenant), tenant=entry.tenant)
-        self._outbox.append(
+        (self._outbox if out is None else out).append(
             Expired(
                 entry.request_id, ExpireReason.PUSHED_OUT, lane, retry or self.config.retry_after_s
             )
@@ -609,7 +610,8 @@ class PolicyScheduler:
         """No fallback backend and no shorter answer: the request joins the next lane down,
         keeping its arrival time (so aging counts from it) and its promotion, with that lane's
         waits ahead of it; it is refused only where that lane is predicted to start it too
-        late, or where there is no lower lane."""
+        late, where that lane is full (after pushing out over-share work, as at arrival), or
+        where there is no lower lane."""
         rid, lower = entry.request_id, self._lower(lane)
         if lower is None or self.deadline_order:
             # In deadline order a hot request past its target is answered now, not served from
@@ -630,6 +632,17 @@ class PolicyScheduler:
             out.append(Expired(rid, ExpireReason.PREDICTED_LATE, lane, late[0]))
             self.counters[PolicyEvent.EXPIRED_PREDICTED_LATE] += 1
             return
+        below = self.lanes[lower]
+        if len(below) >= below.config.max_queued and self.config.fairness.enabled:
+            victim = below.over_share(entry.tenant)  # as at arrival: over-share work makes room
+            if victim is not None:
+                self._push_out(lower, victim, out)
+        if len(below) >= below.config.max_queued:  # the lower lane is full: no fallback
+            retry = self.predicted_wait(lower)
+            self._drop(lane, entry)
+            out.append(Expired(rid, ExpireReason.NO_FALLBACK, lane, retry))
+            self.counters[PolicyEvent.EXPIRED_NO_FALLBACK] += 1
+            return
         promoted = entry.promoted
         self._drop(lane, entry)
         entry.version += 1
@@ -642,8 +655,18 @@ class PolicyScheduler:
         self.counters[PolicyEvent.DEGRADED_LANE] += 1
 
     def _drop(self, lane: str, entry: Entry) -> None:
-        """Out of the queue unserved here: its tenant gets its work back in fair order."""
-        self.lanes[lane].drop(entry)
+        """Out of the queue unserved here: its tenant gets its work back in fair order (its
+        later requests there move up, so they are re-keyed in the fair heap)."""
+        moved = self.lanes[lane].drop(entry)
+        if moved and self.config.continuous_batching:
+            heap = self._fair[lane]
+            for later in moved:
+                heapq.heappush(heap, (later.tag, later.seq, later.request_id))
+            if len(heap) > 2 * len(self.lanes[lane]) + 64:  # the superseded keys, dropped
+                self._fair[lane] = [
+                    (e.tag, e.seq, e.request_id) for e in self.lanes[lane].entries.values()
+                ]
+                heapq.heapify(self._fair[lane])
         del self._queued[entry.request_id]
         self._queued_tokens[lane] -= entry.cost_tokens
 
@@ -827,14 +850,15 @@ class PolicyScheduler:
             fair = self._head(self._fair[lane], lane)
             if fair is not None and fair is not due:
                 # Deadline feasibility first: the request due first goes ahead of the fair head
-                # when its slack is nearly gone and its tenant is at most one of its requests
-                # ahead of the head in fair order. (Usually it is: its tag follows its tenant's
-                # last dispatched one. Not where its tenant's earlier requests expired unserved,
-                # a flooding tenant's: without this check the simulator's quiet tenant beside a
-                # flood fell from 100 % to 97.6 % served, P99 169 -> 285 ms.)
+                # when its slack is nearly gone and its tag is at most a typical span past the
+                # head's: the same window for every tenant (sized by the passing request's own
+                # work, a tenant of 200-token prompts passed three times as far as one of
+                # 60-token prompts). Without the window, a flooding tenant passed a quiet one
+                # every time: the simulator's quiet tenant fell from 100 % to 97.6 % served,
+                # P99 169 -> 285 ms.)
                 queue = self.lanes[lane]
                 urgent = due.deadline - self._now <= URGENT_SHARE * queue.config.ttft_target_s
-                close = due.tag <= fair.tag + due.counted / queue.weight(due.tenant)
+                close = due.tag <= fair.tag + queue.typical_span
                 if not (urgent and close):
                     return lane, fair
         return lane, due

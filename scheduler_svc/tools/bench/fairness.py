@@ -63,8 +63,9 @@ SCENARIOS = (
     FairScenario(
         "two_sizes",
         "two backlogged tenants, equal weights, 60- and 200-token prompts (max_tokens 16), "
-        "each offering 1x capacity",
-        (TenantLoad("small", 1.0, 60, 16), TenantLoad("large", 1.0, 200, 16)),
+        "the small one offering 2x capacity and the large one 1x (at 1x each the small "
+        "tenant's work was only ~1.2x its share: it was not backlogged)",
+        (TenantLoad("small", 2.0, 60, 16), TenantLoad("large", 1.0, 200, 16)),
     ),
     FairScenario(
         "four_sizes",

@@ -82,8 +82,7 @@ def test_a_quiet_tenant_passes_a_noisy_tenants_backlog_in_the_same_lane() -> Non
 def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
     """Deadline feasibility first: within a lane the request due first passes the fair head
     once under a quarter of its target is left (not before), where its tenant is at most one
-    of its requests ahead in fair order; a tenant further ahead (its earlier request expired
-    unserved, so the lane's virtual time never passed it) waits its turn."""
+    of its requests ahead in fair order; a tenant further ahead (served more) waits its turn."""
     for now, first in ((0.15, "b1"), (0.2, "a1")):  # a1 has 100 ms left, then 50 ms
         policy = _engine(1)
         policy.submit(req("run", 100, "a"), 0.0)
@@ -95,15 +94,51 @@ def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -
     policy = _engine(1)
     policy.submit(req("run", 100, "a"), 0.0)
     policy.schedule(0.0)
+    policy.submit(req("a1", 100, "a"), 0.0)  # tag 116, due at 0.25 s
+    late = replace(req("a2", 100, "a"), queue_deadline=0.2)  # tag 232: the client's deadline
+    policy.submit(late, 0.0)
+    policy.submit(req("b1", 100, "b"), 0.1)  # tag 0, due at 0.35 s
+    policy.on_done("run", 0.17, 16)
+    decisions = policy.schedule(0.17)  # a2 has 30 ms left, but a is two requests ahead of b1
+    assert [d.request_id for d in decisions if isinstance(d, Dispatch)] == ["b1"]
+
+
+def test_an_expired_request_gives_its_turn_to_its_tenants_later_ones() -> None:
+    """A request that leaves unserved gives its work back as if it had not come: its tenant's
+    later queued requests take the tags they would have had without it, so a tenant whose
+    requests expire one by one does not lose each one's turn again in the next."""
+    policy = _engine(1)
+    policy.submit(req("run", 100, "a"), 0.0)
+    policy.schedule(0.0)
     policy.submit(req("a1", 100, "a"), 0.0)  # tag 116, due at 0.25 s: it will expire
     policy.submit(req("a2", 100, "a"), 0.05)  # tag 232, due at 0.30 s
     policy.submit(req("b1", 100, "b"), 0.1)  # tag 0, due at 0.35 s
+    queue = policy.lanes["hot"]
+    assert [queue.entries[r].tag for r in ("a1", "a2")] == [116, 232]
     policy.on_done("run", 0.26, 16)
-    decisions = policy.schedule(0.26)  # a2 has 40 ms left, but a is two requests ahead of b1
+    decisions = policy.schedule(0.26)
+    # a1 expired; a2 now stands where a1 stood (tag 116: one request ahead of b1), and with
+    # 40 ms left it goes first. Before, it kept tag 232 and waited behind b1 to expire too.
     assert [(d.request_id, type(d).__name__) for d in decisions] == [
         ("a1", "Expired"),
-        ("b1", "Dispatch"),
+        ("a2", "Dispatch"),
     ]
+    # A moved tag never drops below the lane's virtual time now: a tenant's requests left
+    # behind it would pass every other tenant's arrival since.
+    lane = LaneQueue(default_lanes()[0])
+    entries = [
+        Entry(req(f"e{i}", 100, "t"), i, 0.0, 0.0, predicted_output=16, max_tokens=16)
+        for i in range(3)
+    ]
+    lane.add(entries[0])
+    lane.take([entries[0]])
+    lane.virtual_time = 500.0
+    lane.add(entries[1])  # tag 500 (the virtual time), not 116
+    lane.add(entries[2])  # tag 616
+    lane.virtual_time = 550.0
+    assert lane.drop(entries[1]) == [entries[2]]
+    assert entries[2].tag == 550.0  # not 500, where e1 stood
+    assert lane.start_tag("t") == 666.0
 
 
 def test_a_narrowed_tenant_shares_its_roots_place() -> None:
@@ -207,6 +242,36 @@ def test_admission_refuses_by_the_tenants_own_place_in_fair_order() -> None:
     for i in range(200):
         fifo.submit(req(f"n{i}", 100, "noisy"), now)
     assert isinstance(fifo.submit(req("q0", 100, "quiet"), now), Rejected)
+
+
+def test_the_predicted_wait_counts_a_tenant_between_two_of_its_requests() -> None:
+    """A tenant with nothing queued but served lately (its finish tag ahead of the virtual
+    time) sends its next request at that tag: what it gets from there up to an arrival's tag
+    is counted before the arrival. A tenant whose finish tag the lane has passed counts 0, and
+    so does every tenant where nothing is queued (the arrival goes as soon as it can)."""
+    lane = LaneQueue(default_lanes()[0])
+
+    def entry(rid: str, tenant: str, seq: int) -> Entry:
+        return Entry(req(rid, 84, tenant), seq, 0.0, 0.0, predicted_output=16, max_tokens=16)
+
+    a0, b0, b1 = entry("a0", "a", 0), entry("b0", "b", 1), entry("b1", "b", 2)
+    for e in (a0, b0, b1):
+        lane.add(e)  # a: tag 0; b: tags 0 and 100
+    lane.take([a0])  # a is between requests: nothing queued, its finish tag 100
+    # c's first request starts at the virtual time 0: nothing of a's or b's is before it.
+    assert lane.work_before("c", lane.start_tag("c")) == 0
+    # An arrival of b at tag 200 waits for b's queued 200 and a's next (tags 100..200): 300.
+    assert lane.work_before("b", 200.0) == 300
+    lane.take([b0, b1])  # the virtual time reaches a's finish tag: a counts no more
+    assert lane.virtual_time == 100.0
+    # b is between requests now (finish 200); an arrival of c at tag 300 behind a queued
+    # request of c's counts c's own 100 and b's next (tags 200..300); a's nothing.
+    c0 = entry("c0", "c", 3)
+    lane.add(c0)
+    assert lane.work_before("c", 300.0) == 200
+    # With nothing queued in the lane an arrival starts when the engine has room: 0.
+    lane.take([c0])
+    assert lane.work_before("c", 300.0) == 0
 
 
 def test_a_full_lane_pushes_out_the_newest_request_of_the_tenant_over_its_share() -> None:

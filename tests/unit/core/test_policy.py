@@ -129,6 +129,33 @@ def test_hot_timeout_without_a_fallback_joins_the_warm_lane_keeping_its_age() ->
     assert policy.schedule(1.68) == [Expired("waiting", ExpireReason.REQUEUE_LIMIT, "warm")]
 
 
+def test_a_hot_timeout_joins_a_full_lower_lane_only_by_pushing_out_over_share_work() -> None:
+    """The lower lane's cap holds for requests moved down too: over-share work of another
+    tenant is pushed out for it, as at arrival; with none, it is answered now."""
+    lanes = default_lanes()
+    lanes = (lanes[0], replace(lanes[1], max_queued=1), lanes[2])
+    for tenant, ends in (("a", ["b0"]), ("b", ["waiting"])):
+        policy = PolicyScheduler(
+            PolicyConfig(lanes=lanes, kv=KvConfig(total_blocks=64, max_in_flight=1))
+        )
+        policy.submit(req("running", 100), 0.0)
+        assert dispatched(policy.schedule(0.05)) == ["running"]
+        policy.submit(req("b0", 300, tenant="b"), 0.06)  # the warm lane's one place
+        policy.submit(req("waiting", 100, tenant=tenant), 0.06)
+        decisions = policy.schedule(0.16)  # past hot's 100 ms: it would join warm
+        assert [d.request_id for d in decisions] == ends
+        if tenant == "a":  # b is over its share there: b0 makes room, "waiting" moves down
+            assert decisions[0] == Expired(
+                "b0", ExpireReason.PUSHED_OUT, "warm", decisions[0].retry_after_s
+            )
+            assert policy.queued_ids() == {"waiting": "warm"}
+        else:  # its own tenant fills the lane: nothing to push out
+            assert decisions == [
+                Expired("waiting", ExpireReason.NO_FALLBACK, "hot", decisions[0].retry_after_s)
+            ]
+            assert policy.queued_ids() == {"b0": "warm"}
+
+
 def test_with_no_lower_lane_a_hot_timeout_rejects_with_a_reason() -> None:
     hot = replace(default_lanes()[0], max_wait_s=None)
     config = PolicyConfig(
@@ -759,7 +786,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
                 queue = policy.lanes[lane]
                 urgent = due.deadline - self.now <= URGENT_SHARE * queue.config.ttft_target_s
-                close = due.tag <= fair.tag + due.counted / queue.weight(due.tenant)
+                close = due.tag <= fair.tag + queue.typical_span
                 entry = due if urgent and close else fair
             held = (
                 lane != first
