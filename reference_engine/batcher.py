@@ -20,7 +20,15 @@ Two KV policies, as TensorRT-LLM's `batch_scheduler_policy`:
   when the pool is empty the most recently admitted sequence is paused (its blocks freed) and
   later recomputed from its prompt and the tokens it already produced.
 
-Invariants: every block belongs to a running sequence or is free (see `BlockPool`); a finished
+KV cache reuse (TensorRT-LLM's `enable_kv_cache_reuse`, in-flight batching only): a prompt's
+full blocks are registered in the pool as its context phase computes them; a later prompt that
+starts with the same blocks shares them at admission and its context phase starts after them
+(their prefill is skipped, and emulated timing charges only the tokens fed). At least the
+prompt's last token is always fed, so its first token is sampled as without reuse. Greedy
+outputs are the same with and without reuse (tests/unit/reference_engine/test_reuse.py).
+
+Invariants: every block belongs to a running sequence, is cached and idle, or is free (see
+`BlockPool`); a finished
 or cancelled sequence holds no blocks once its iteration is committed (static batches free all
 rows' blocks together when the batch ends); the waiting queue holds only unadmitted rows.
 """
@@ -31,7 +39,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from reference_engine.blocks import BlockPool, PoolExhaustedError
+from reference_engine.blocks import BlockPool, PoolExhaustedError, block_keys
 from reference_engine.config import EngineConfig
 from reference_engine.eos import natural_length
 from reference_engine.errors import (
@@ -104,6 +112,9 @@ class TokenCounts:
     generation_processed: int = 0
     generation_useful: int = 0
     paused_total: int = 0
+    # With KV cache reuse: prompt tokens admitted, and of them those served from cached blocks.
+    prompt_tokens_admitted: int = 0
+    prompt_tokens_reused: int = 0
     # Requests ended before they were done, by how: a `stop`, a client cancellation, a failure.
     stopped_total: int = 0
     cancelled_total: int = 0
@@ -122,6 +133,7 @@ class Batcher:
         self._requests: dict[str, EngineRequest] = {}
         self._next_seq_id = 0
         self._static = cfg.batching_strategy == "static"
+        self._reuse = cfg.enable_kv_cache_reuse
 
     # -- state -------------------------------------------------------------------------------
 
@@ -283,26 +295,18 @@ class Batcher:
         while self._waiting and len(self._running) < self.cfg.max_num_sequences:
             seq = self._waiting[0]
             tokens = len(seq.prompt) + len(seq.generated)
+            shared = self._cached_prefix(seq, tokens)
+            fed = tokens - len(shared) * self.pool.tokens_per_block
             if equal:  # every prompt in its context phase gets a token this step
                 fits = len(contexts) < budget
             elif chunked:  # what the older prompts leave
                 fits = left > 0
-            else:  # the whole prompt, this step
-                fits = tokens <= left
-            if not fits:
-                break
-            if self.cfg.batch_scheduler_policy == "guaranteed_no_evict":
-                need = self.pool.blocks_for(len(seq.prompt) + seq.max_new_tokens)
-            else:
-                need = self.pool.blocks_for(tokens)
-            if need > self.pool.num_free:
+            else:  # the whole prompt (less its cached blocks), this step
+                fits = fed <= left
+            if not fits or not self._admit(seq, tokens, shared):
                 break  # first come, first served: the head waits, nobody overtakes it
-            self._waiting.popleft()
-            self.pool.allocate(seq.seq_id, need)
-            self._running.append(seq)
-            seq.context_len = tokens
             contexts.append(seq)
-            left -= tokens
+            left -= fed
         wants = [seq.context_left for seq in contexts]
         sizes = split_budget(wants, budget, self.cfg.context_chunking_policy)
         for seq, size in zip(contexts, sizes, strict=True):
@@ -314,6 +318,47 @@ class Batcher:
                 works.append(Work(seq, context, seq.num_cached, emits=done, is_context=True))
         self.counts.paused_total += paused
         return Plan(tuple(works), num_paused=paused)
+
+    def _admit(self, seq: RunningSequence, tokens: int, shared: list[int]) -> bool:
+        """Start the waiting head's context phase if the pool holds it: its cached blocks
+        shared, blank ones for the rest (prompt + maximum output under guaranteed_no_evict,
+        the context alone under max_utilization). False if the pool cannot."""
+        if self.cfg.batch_scheduler_policy == "guaranteed_no_evict":
+            need = self.pool.blocks_for(len(seq.prompt) + seq.max_new_tokens)
+        else:
+            need = self.pool.blocks_for(tokens)
+        need -= len(shared)
+        if need > self.pool.num_free - self.pool.idle_among(shared):
+            return False
+        self._waiting.popleft()
+        self.pool.share(seq.seq_id, shared)
+        self.pool.allocate(seq.seq_id, need)
+        self._running.append(seq)
+        seq.registered = len(shared)
+        seq.num_cached = len(shared) * self.pool.tokens_per_block
+        seq.context_len = tokens
+        if self._reuse:
+            self.counts.prompt_tokens_admitted += len(seq.prompt)
+            self.counts.prompt_tokens_reused += seq.num_cached
+        return True
+
+    def _cached_prefix(self, seq: RunningSequence, tokens: int) -> list[int]:
+        """The cached blocks `seq` can start from: its prompt's leading full blocks, short of
+        the last token it feeds (that one samples its next token)."""
+        if not self._reuse:
+            return []
+        if seq.keys is None:
+            seq.keys = block_keys(seq.prompt, self.pool.tokens_per_block)
+        usable = min(len(seq.prompt), tokens - 1) // self.pool.tokens_per_block
+        return self.pool.match(seq.keys[:usable])
+
+    def _register(self, seq: RunningSequence) -> None:
+        """Cache the prompt blocks whose tokens `seq` has computed."""
+        assert seq.keys is not None
+        full = min(seq.num_cached, len(seq.prompt)) // self.pool.tokens_per_block
+        for index in range(seq.registered, full):
+            self.pool.register(seq.seq_id, index, seq.keys[index])
+        seq.registered = max(seq.registered, full)
 
     def _grow_or_pause(self, seq: RunningSequence) -> int:
         """Give `seq` room for one more token, pausing the newest sequences if needed."""
@@ -332,7 +377,7 @@ class Batcher:
     def _pause(self, seq: RunningSequence) -> None:
         self._running.remove(seq)
         self.pool.free(seq.seq_id)
-        seq.num_cached = 0
+        seq.num_cached = seq.registered = 0
         self._waiting.appendleft(seq)
 
     def _schedule_static(self) -> Plan:
@@ -406,6 +451,8 @@ class Batcher:
                 self.counts.generation_processed += processed
                 self.counts.generation_useful += useful
             seq.num_cached = work.start + processed
+            if self._reuse and work.is_context:
+                self._register(seq)
             if not work.emits:
                 continue
             token = next(tokens)

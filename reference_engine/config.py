@@ -92,6 +92,12 @@ class EngineConfig(BaseModel):
         "`first_come_first_served` (oldest prompt first) or `equal_progress` (equal chunks, so "
         "a short prompt is not held behind a long one).",
     )
+    enable_kv_cache_reuse: bool = Field(
+        False,
+        description="Keep computed prompt blocks cached and share them with later prompts that "
+        "start with the same tokens, skipping their prefill; unheld cached blocks are evicted "
+        "least recently used (in-flight batching only).",
+    )
     max_input_len: int = Field(4_096, ge=1, description="Longest accepted prompt in tokens.")
     max_output_len: int = Field(1_024, ge=1, description="Largest accepted request_output_len.")
     max_queue_size: int = Field(
@@ -157,6 +163,11 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "enable_chunked_context needs in-flight batching (gpt_model_type "
                 "inflight_fused_batching); a static batch prefills whole"
+            )
+        if self.enable_kv_cache_reuse and self.batching_strategy == "static":
+            raise ValueError(
+                "enable_kv_cache_reuse needs in-flight batching (gpt_model_type "
+                "inflight_fused_batching); a static batch pads its prompts, so blocks never line up"
             )
         if self.max_num_tokens < self.max_num_sequences:
             raise ValueError(

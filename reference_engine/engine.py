@@ -64,6 +64,12 @@ class EngineStats:
     # Emulated timing: the steps' modelled time x time_scale, and the engine's own work in it.
     paced_s: float = 0.0
     work_s: float = 0.0
+    # KV cache reuse (blocks.py), cumulative: blocks handed out (blank or shared), blank ones,
+    # shared cached ones; and the blocks cached now (held or idle: what a prompt can reuse).
+    kv_alloc_total_blocks: int = 0
+    kv_alloc_new_blocks: int = 0
+    kv_reused_blocks: int = 0
+    kv_reusable_blocks: int = 0
 
 
 class Sink(Protocol):
@@ -362,6 +368,10 @@ class Engine:
             overrun_steps=self._pacer.overruns if self._pacer is not None else 0,
             paced_s=self._pacer.modelled_s * self._pacer.time_scale if self._pacer else 0.0,
             work_s=self._pacer.work_s if self._pacer is not None else 0.0,
+            kv_alloc_total_blocks=batcher.pool.alloc_total,
+            kv_alloc_new_blocks=batcher.pool.alloc_new,
+            kv_reused_blocks=batcher.pool.reused,
+            kv_reusable_blocks=batcher.pool.num_cached,
         )
 
 

@@ -91,6 +91,10 @@ class RunningSequence:
     finish: FinishReason | None = None
     num_sent: int = 0
     context_len: int = 0  # tokens its context phase feeds (prompt, plus output on a recompute)
+    # KV cache reuse: its prompt's full blocks' keys (computed at its first admission), and how
+    # many of its leading blocks are cached in the pool.
+    keys: list[bytes] | None = None
+    registered: int = 0
     natural_len: int | None = None  # the synthetic end-of-sequence model's length (eos.py)
     return_log_probs: bool = False
     # One per generated token, where return_log_probs asks: the log probability of the token

@@ -35,6 +35,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     },
     "engine_queue": {"max_num_sequences": "1", "max_queue_size": "1"},
     "engine_eos": {"eos_model": "lognormal", "eos_mean_tokens": "12"},
+    "engine_reuse": {"enable_kv_cache_reuse": "true"},
     # Backend groups: the CPU engine's twin (the same weights) and another version (new weights).
     "engine_twin": {},
     "engine_seed1": {},

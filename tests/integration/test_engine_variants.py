@@ -199,3 +199,38 @@ def test_the_synthetic_end_of_sequence_model_ends_rows_at_their_drawn_lengths(
         assert again.tokens() == answer.tokens()
         lengths.append(len(answer.tokens()))
     assert len(set(lengths)) > 1 and max(lengths) < 400
+
+
+def test_kv_cache_reuse_skips_a_cached_prefix_and_answers_the_same(
+    variants: TritonServer, triton: TritonServer
+) -> None:
+    """The same 80-token prompt twice on an engine with enable_kv_cache_reuse: the second
+    prefills only the last of its five 16-token blocks (at least one token is fed), exports the
+    reuse, and generates the tokens the engine without reuse does."""
+    model, prompt = "engine_reuse", tokens_of_length(80)
+
+    def counts() -> dict[str, float]:
+        s = scrape(variants.metrics_url)
+        found = {
+            kind: engine_metric(s, "scheduler_svc_engine_prompt_tokens_total", model, kind=kind)
+            for kind in ("admitted", "reused")
+        }
+        found["context"] = engine_metric(s, TOKENS, model, phase="context", kind="processed")
+        found["reused_blocks"] = engine_metric(s, KV, model, kv_cache_block_type="reused")
+        found["reusable"] = engine_metric(s, "scheduler_svc_engine_kv_reusable_blocks", model)
+        return found
+
+    before = counts()
+    answers = []
+    for _ in range(2):
+        answers.append(infer(variants.grpc_url, model, engine_request(prompt, 6)))
+        wait_engine_idle(variants.metrics_url, model)  # cached blocks count as free
+    after = counts()
+    delta = {key: after[key] - before[key] for key in after}
+    assert delta["admitted"] == 160 and delta["reused"] == 64
+    assert delta["context"] == 80 + 16
+    assert delta["reused_blocks"] == 4 and after["reusable"] >= 5
+    plain = infer(triton.grpc_url, "tensorrt_llm", engine_request(prompt, 6))
+    assert all(a.error is None for a in (*answers, plain))
+    assert answers[0].tokens() == answers[1].tokens() == plain.tokens()
+    assert len(plain.tokens()) == 6

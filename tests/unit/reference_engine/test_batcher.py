@@ -222,9 +222,16 @@ class BatcherMachine(RuleBasedStateMachine):
         blocks=st.integers(6, 24),
         seqs=st.integers(1, 4),
         chunking=st.sampled_from([None, "first_come_first_served", "equal_progress"]),
+        reuse=st.booleans(),
     )
     def configure(
-        self, strategy: str, policy: str, blocks: int, seqs: int, chunking: str | None
+        self,
+        strategy: str,
+        policy: str,
+        blocks: int,
+        seqs: int,
+        chunking: str | None,
+        reuse: bool,
     ) -> None:
         chunked = chunking is not None and strategy == "inflight"
         self.batcher = Batcher(
@@ -238,6 +245,8 @@ class BatcherMachine(RuleBasedStateMachine):
                 max_queue_size=6,
                 enable_chunked_context=chunked,
                 context_chunking_policy=chunking or "first_come_first_served",
+                # Every prompt here is 1..n: they share their leading blocks.
+                enable_kv_cache_reuse=reuse and strategy == "inflight",
             )
         )
 

@@ -70,7 +70,9 @@ class _Metrics:
             "nv_trt_llm_kv_cache_block_metrics",
             "TRT LLM KV cache block metrics",
             "kv_cache_block_type",
-            ["max", "free", "used", "tokens_per", "fraction"],
+            # alloc_total, alloc_new and reused as TensorRT-LLM's backend names them: blocks
+            # handed out since start (blank or shared), of them blank, and shared from cache.
+            ["max", "free", "used", "tokens_per", "fraction", "alloc_total", "alloc_new", "reused"],
         )
         if cfg.batching_strategy == "inflight":
             self.batcher = family(
@@ -153,6 +155,22 @@ class _Metrics:
             "Token slots of the used KV blocks that hold a key; the rest are allocated but unused",
             gauge,
         ).Metric(labels=labels)
+        self.reusable_blocks = new_family(
+            "scheduler_svc_engine_kv_reusable_blocks",
+            "KV blocks holding a cached prompt prefix (held or idle) that a later prompt starting "
+            "with the same tokens can reuse (enable_kv_cache_reuse); our own name",
+            gauge,
+        ).Metric(labels=labels)
+        prompt = new_family(
+            "scheduler_svc_engine_prompt_tokens_total",
+            "Prompt tokens the reference engine admitted (kind=admitted, recomputes included) "
+            "and those of them served from cached KV blocks (kind=reused), with "
+            "enable_kv_cache_reuse; the hit rate is reused over admitted; our own name",
+            counter,
+        )
+        self.prompt_tokens = {
+            kind: prompt.Metric(labels={"kind": kind, **labels}) for kind in ("admitted", "reused")
+        }
         self._last: dict[str, int] = {}
         self._sent: dict[str, float] = {}
         self._shown: dict[int, float] = {}
@@ -172,6 +190,10 @@ class _Metrics:
         self._set(self.kv["tokens_per"], s.tokens_per_block)
         self._set(self.cached_tokens, s.kv_cached_tokens)
         self._set(self.kv["fraction"], s.kv_used_blocks / s.kv_max_blocks)
+        self._set(self.kv["alloc_total"], s.kv_alloc_total_blocks)
+        self._set(self.kv["alloc_new"], s.kv_alloc_new_blocks)
+        self._set(self.kv["reused"], s.kv_reused_blocks)
+        self._set(self.reusable_blocks, s.kv_reusable_blocks)
         if "paused_requests" in self.batcher:
             self._set(self.batcher["total_context_tokens"], s.total_context_tokens)
             self._set(self.batcher["generation_requests"], s.generation_requests)
@@ -196,6 +218,8 @@ class _Metrics:
         self._bump(self.ended["cancelled"], "cancelled", c.cancelled_total)
         self._bump(self.ended["failed"], "failed", c.failed_total)
         self._bump(self.rows_total, "rows", s.rows_total)
+        self._bump(self.prompt_tokens["admitted"], "prompt/admitted", c.prompt_tokens_admitted)
+        self._bump(self.prompt_tokens["reused"], "prompt/reused", c.prompt_tokens_reused)
         if self.overruns is not None:
             self._bump(self.overruns, "overruns", s.overrun_steps)
             self._add(self.paced, "paced", s.paced_s)
