@@ -4,7 +4,8 @@ A fixed number of blocks, each holding `tokens_per_block` tokens of keys and val
 handed to owners (sequence ids) and returned whole.
 
 Reuse (TensorRT-LLM's `enable_kv_cache_reuse`): a full block of prompt tokens is identified by
-a key chained over the whole prefix up to its end (`block_keys`), so equal keys mean equal
+a key chained over the whole prefix up to its end (`block_keys`, scheduler_svc/core/prefix.py:
+the sidecar's prefix routing hashes prompts the same way), so equal keys mean equal
 tokens at equal positions and therefore equal keys and values. An owner registers a block under
 its key once the block's tokens are computed; a later owner whose prompt starts with the same
 blocks shares them (`match`, `share`) and skips their prefill. A block many owners hold is
@@ -23,27 +24,16 @@ Invariants (checked by `check()`, exercised by a hypothesis state machine in the
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from scheduler_svc.core.prefix import block_keys
+
+__all__ = ["BlockPool", "PoolExhaustedError", "block_keys"]
 
 
 class PoolExhaustedError(Exception):
     """Raised when an allocation asks for more blocks than are free."""
-
-
-def block_keys(tokens: Sequence[int], tokens_per_block: int) -> list[bytes]:
-    """The key of every full block of `tokens`: each hashes its own tokens and the key before
-    it, so a key names the whole prefix up to the block's end (128-bit BLAKE2b)."""
-    keys: list[bytes] = []
-    previous = b""
-    for end in range(tokens_per_block, len(tokens) + 1, tokens_per_block):
-        digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(array("q", tokens[end - tokens_per_block : end]).tobytes())
-        previous = digest.digest()
-        keys.append(previous)
-    return keys
 
 
 class BlockPool:

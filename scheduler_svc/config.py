@@ -58,6 +58,37 @@ class Replica(_Frozen):
     metrics_url: str | None = Field(None, description="Its metrics page, for its KV counts.")
 
 
+class PrefixRouting(_Frozen):
+    """Prefix affinity across `triton.replicas` (core/prefix.py): a request goes to the
+    replica it sent the longest run of the prompt's leading blocks to lately, or its session's
+    previous one, unless that replica has more than `slack` requests in flight above the least
+    loaded one."""
+
+    enabled: bool = Field(True, description="Route by prefix and session; false: by load only.")
+    tokens_per_block: int = Field(
+        16, ge=1, le=1024, description="Tokens per hashed block: the engine's KV block size."
+    )
+    max_blocks: int = Field(
+        262_144, ge=1, le=16_777_216, description="Block keys the index keeps (oldest dropped)."
+    )
+    ttl_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        description="Seconds a routed block (and a session's replica) counts as cached there.",
+    )
+    slack: int = Field(
+        2,
+        ge=0,
+        le=1024,
+        description="Most requests in flight a replica may have above the least loaded one and "
+        "still take a request for its cache (0: pure load balancing among equals).",
+    )
+    max_sessions: int = Field(
+        65_536, ge=1, le=16_777_216, description="Sessions whose last replica is remembered."
+    )
+
+
 class TritonConfig(_Frozen):
     """Where the backend is and what it serves."""
 
@@ -95,7 +126,12 @@ class TritonConfig(_Frozen):
     replicas: list[Replica] = Field(
         default_factory=list,
         description="More Tritons serving the same engine model: each request goes to a ready "
-        "one with the fewest requests in flight, then the most free KV blocks.",
+        "one, by prefix affinity within `prefix_routing.slack` of the least loaded, else the "
+        "fewest requests in flight, then the most free KV blocks.",
+    )
+    prefix_routing: PrefixRouting = Field(
+        default_factory=PrefixRouting,
+        description="Prefix and session affinity across replicas (with replicas only).",
     )
     engine_batching: Literal["auto", "inflight", "static"] = Field(
         "auto",

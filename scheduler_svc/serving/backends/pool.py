@@ -1,20 +1,25 @@
 """The primary backend: one or more Tritons serving the same engine model.
 
-Each request (or released batch) goes to a ready endpoint with the fewest requests the sidecar
-has in flight there, then the most free KV blocks at the last reading, then round robin.
-Endpoints that failed their last readiness check are skipped while any other is ready. The
-policy's KV mirror sees the pool's blocks summed over endpoints.
+Each request (or released batch) goes to a ready endpoint: with several and
+`triton.prefix_routing` on, by core/prefix.py's rule (its session's previous endpoint, else the
+one it sent the longest run of the prompt's leading blocks to lately, each only within `slack`
+requests in flight of the least loaded); otherwise, and where nothing is cached, the one with
+the fewest requests the sidecar has in flight there, then the most free KV blocks at the last
+reading, then round robin. Endpoints that failed their last readiness check are skipped while
+any other is ready. The policy's KV mirror sees the pool's blocks summed over endpoints.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from scheduler_svc.config import TritonConfig
 from scheduler_svc.core.engine import EngineProfile
+from scheduler_svc.core.prefix import PrefixRouter, ReplicaLoad
 from scheduler_svc.serving.backends.base import GenerationInput, Tokens
 from scheduler_svc.serving.backends.kvpoll import read_kv_blocks
 from scheduler_svc.serving.backends.triton import TritonBackend
@@ -45,6 +50,18 @@ class TritonPool:
             for url, metrics in pairs
         ]
         self._turn = 0
+        routing = cfg.prefix_routing
+        self.router = (
+            PrefixRouter(
+                tokens_per_block=routing.tokens_per_block,
+                max_blocks=routing.max_blocks,
+                ttl_s=routing.ttl_s,
+                slack=routing.slack,
+                max_sessions=routing.max_sessions,
+            )
+            if routing.enabled and len(self.endpoints) > 1
+            else None
+        )
 
     @property
     def engine_model(self) -> str:
@@ -84,9 +101,16 @@ class TritonPool:
             else first.kv_total_blocks and first.kv_total_blocks * len(self.endpoints),
         )
 
-    def pick(self) -> Endpoint:
-        """The ready endpoint with the fewest requests in flight, then the most free KV blocks;
-        ties go round robin."""
+    def pick(self, request: GenerationInput | None = None) -> Endpoint:
+        """The endpoint for `request` by prefix and session affinity (see the module), or
+        without a router or a request the ready endpoint with the fewest requests in flight,
+        then the most free KV blocks; ties go round robin."""
+        if self.router is not None and request is not None:
+            loads = [ReplicaLoad(e.ready, e.in_flight, e.free_blocks) for e in self.endpoints]
+            chosen = self.router.route(
+                request.prompt_ids, request.route.session, loads, time.monotonic()
+            )
+            return self.endpoints[chosen]
         candidates = [e for e in self.endpoints if e.ready] or self.endpoints
         n = len(self.endpoints)
         turn = self._turn
@@ -98,7 +122,7 @@ class TritonPool:
         return min(candidates, key=key)
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
-        endpoint = self.pick()
+        endpoint = self.pick(request)
         endpoint.in_flight += 1
         try:
             async with contextlib.aclosing(endpoint.backend.stream(request)) as answers:
@@ -110,7 +134,7 @@ class TritonPool:
     async def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
     ) -> AsyncGenerator[tuple[int, Tokens], None]:
-        endpoint = self.pick()
+        endpoint = self.pick(rows[0] if rows else None)
         endpoint.in_flight += len(rows)
         try:
             answers = endpoint.backend.stream_batch(request_id, rows, timeout_s)

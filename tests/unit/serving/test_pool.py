@@ -1,0 +1,48 @@
+"""The pool's choice of endpoint: prefix and session affinity within the slack, else load
+(the rule itself: tests/unit/core/test_prefix.py; two real Tritons: the integration test)."""
+
+from __future__ import annotations
+
+from scheduler_svc.config import PrefixRouting, Replica, TritonConfig
+from scheduler_svc.core.routing import RouteClass
+from scheduler_svc.serving.backends.base import GenerationInput
+from scheduler_svc.serving.backends.pool import TritonPool
+
+HEADER = list(range(500, 564))
+
+
+def row(prompt: list[int], session: str = "") -> GenerationInput:
+    return GenerationInput("r", prompt, 8, 1, 0, route=RouteClass(session=session))
+
+
+def pool(**routing: object) -> TritonPool:
+    return TritonPool(
+        TritonConfig(
+            url="127.0.0.1:1",
+            replicas=[Replica(url="127.0.0.1:2"), Replica(url="127.0.0.1:3")],
+            prefix_routing=PrefixRouting(**routing),  # type: ignore[arg-type]
+        )
+    )
+
+
+def test_a_shared_prefix_goes_back_to_its_endpoint_until_it_is_slack_ahead() -> None:
+    backends = pool(slack=1)
+    first = backends.pick(row([*HEADER, 1]))
+    first.in_flight += 1
+    assert backends.pick(row([*HEADER, 2])) is first  # one ahead: within the slack
+    first.in_flight += 1
+    other = backends.pick(row([*HEADER, 3]))  # two ahead: the prefix spreads
+    assert other is not first
+    assert backends.router is not None
+    assert backends.router.reasons == {"session": 0, "prefix": 1, "load": 2}
+    # Now both hold the header: the next one goes to the less loaded of the two.
+    assert backends.pick(row([*HEADER, 4])) is other
+
+
+def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
+    backends = pool(enabled=False)
+    assert backends.router is None
+    picked = [backends.pick(row(HEADER)) for _ in range(3)]
+    assert len({id(e) for e in picked}) == 3  # round robin among equals
+    single = TritonPool(TritonConfig(url="127.0.0.1:1"))
+    assert single.router is None  # one endpoint: nothing to route
