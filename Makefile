@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-flood bench-fairness bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-flood bench-fairness bench-prefix bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -37,10 +37,13 @@ $(GEN): $(STAMP) $(PROTOS) scheduler_svc/tools/protogen.py
 
 # The main job on the embedded default: real Triton on the CPU serving the reference engine,
 # and the sidecar in front of it. `make run MODEL_REPO=model_repo/emulated` serves the engine
-# with an H200's emulated step times instead (model_repo/README.md).
+# with an H200's emulated step times instead (model_repo/README.md);
+# `make run RUN_FLAGS="--replicas 2 --kv-cache-reuse"` starts two Tritons behind the sidecar,
+# routed by prefix and session (docs/policy.md).
 MODEL_REPO ?= model_repo/cpu
+RUN_FLAGS ?=
 run: $(GEN)
-	$(BIN)/scheduler-svc run --model-repo $(MODEL_REPO)
+	$(BIN)/scheduler-svc run --model-repo $(MODEL_REPO) $(RUN_FLAGS)
 
 test: lint typecheck unit integration
 
@@ -121,6 +124,11 @@ bench-flood: $(GEN)
 # over (~15 min).
 bench-fairness: $(GEN)
 	$(BIN)/python benchmarks/tenant_fairness.py --out results/fairness
+
+# Shared prefixes (issue 32): four emulated H200 Tritons with KV cache reuse; round robin, the
+# sidecar by load, the sidecar by prefix and session; hit rate, TTFT, QPS at the P99 SLO.
+bench-prefix: $(GEN)
+	$(BIN)/python benchmarks/prefix_routing.py --out results/prefix
 
 # The policy core's own cost with 10,000 requests queued, and the simulator's speed.
 bench-core: $(GEN)

@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -156,61 +159,92 @@ RUN_METRICS_PORT = 9464
 RUN_HTTP_PORT = 8080
 
 
+def _print_line(file: TextIO, line: str) -> None:
+    print(line, file=file, flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
-    """Triton with the reference engine, then the sidecar in front of it, until Ctrl-C."""
+    """Triton with the reference engine (or `--replicas` of them), then the sidecar in front,
+    until Ctrl-C."""
     from scheduler_svc.serving import logs  # noqa: PLC0415
 
+    if not 1 <= args.replicas <= 8:
+        raise ConfigError(f"--replicas must be 1 to 8 (got {args.replicas})")
     log_file = Path(args.triton_log)
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    with log_file.open("w") as triton_log:
-        server = TritonServer(
-            args.model_repo,
-            grpc_port=args.triton_grpc_port,
-            http_port=args.triton_http_port,
-            metrics_port=args.triton_metrics_port,
-            log=lambda line: print(line, file=triton_log, flush=True),
-            host=args.triton_host,
+    with contextlib.ExitStack() as stack:
+        repo = Path(args.model_repo)
+        if args.kv_cache_reuse:
+            from scheduler_svc.tools.modelrepo import copy_repo_with  # noqa: PLC0415
+
+            copy = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "repo"
+            repo = copy_repo_with(repo, copy, "tensorrt_llm", {"enable_kv_cache_reuse": "true"})
+        servers: list[TritonServer] = []
+        for index in range(args.replicas):
+            path = (
+                log_file if index == 0 else log_file.with_name(f"{log_file.stem}-{index + 1}.log")
+            )
+            triton_log = stack.enter_context(path.open("w"))
+            first = index == 0  # the others on free ports
+            server = TritonServer(
+                repo,
+                grpc_port=args.triton_grpc_port if first else 0,
+                http_port=args.triton_http_port if first else 0,
+                metrics_port=args.triton_metrics_port if first else 0,
+                log=functools.partial(_print_line, triton_log),
+                host=args.triton_host,
+            )
+            print(f"starting tritonserver on {args.model_repo} (log: {path}) ...", flush=True)
+            server.start()
+            stack.callback(server.stop)
+            servers.append(server)
+        server = servers[0]
+        overrides = _overrides(args)
+        overrides.setdefault("triton", {})["url"] = server.grpc_url
+        overrides["triton"]["metrics_url"] = server.metrics_url
+        if len(servers) > 1:
+            overrides["triton"]["replicas"] = [
+                {"url": other.grpc_url, "metrics_url": other.metrics_url} for other in servers[1:]
+            ]
+        cfg = load_config(args.config, overrides)
+        # The embedded default shows its metrics and serves HTTP.
+        defaults = {"metrics_port": RUN_METRICS_PORT, "http_port": RUN_HTTP_PORT}
+        for key, port in defaults.items():
+            if getattr(cfg.server, key) is None:
+                overrides.setdefault("server", {})[key] = port
+        cfg = load_config(args.config, overrides)
+        logs.configure(cfg.server.log_level)
+        timers = "/".join(
+            "–" if lane.queue_timeout_s is None else f"{lane.queue_timeout_s * 1000:g}"
+            for lane in cfg.policy_config().lanes
         )
-        print(f"starting tritonserver on {args.model_repo} (log: {log_file}) ...", flush=True)
-        server.start()
-        try:
-            overrides = _overrides(args)
-            overrides.setdefault("triton", {})["url"] = server.grpc_url
-            overrides["triton"]["metrics_url"] = server.metrics_url
-            cfg = load_config(args.config, overrides)
-            # The embedded default shows its metrics and serves HTTP.
-            defaults = {"metrics_port": RUN_METRICS_PORT, "http_port": RUN_HTTP_PORT}
-            for key, port in defaults.items():
-                if getattr(cfg.server, key) is None:
-                    overrides.setdefault("server", {})[key] = port
-            cfg = load_config(args.config, overrides)
-            logs.configure(cfg.server.log_level)
-            timers = "/".join(
-                "–" if lane.queue_timeout_s is None else f"{lane.queue_timeout_s * 1000:g}"
-                for lane in cfg.policy_config().lanes
-            )
-            ready = (
-                f"tritonserver  gRPC {server.grpc_url}  HTTP {server.http_url}  "
-                f"metrics {server.metrics_url}\n"
-                "sidecar       gRPC 127.0.0.1:{port}  "
-                "(scheduler.v1, KServe v2, health, reflection)  "
-                "metrics http://127.0.0.1:{metrics_port}/metrics\n"
-                "              HTTP {http}  (OpenAI /v1, Triton generate /v2)\n"
-                "              admin {admin} (loopback: no credential needed)\n"
-                f"lanes         queue timeouts {timers} ms: the source document's A100 "
-                "numbers unless the config says otherwise; a CPU engine step takes 20-60 ms, "
-                'so scale them to the engine (docs/policy.md, "Timers and the engine")\n'
-                "No credentials are configured: the client API is open on loopback only. To "
-                "serve other hosts, set server.host and auth.credentials_file (docs/sidecar.md)."
-                "\nCtrl-C stops both."
-            )
-            asyncio.run(
-                _serve_until_signal(
-                    cfg, on_ready=ready, config_path=args.config, overrides=overrides
-                )
-            )
-        finally:
-            server.stop()
+        tritons = "".join(
+            f"tritonserver  gRPC {t.grpc_url}  HTTP {t.http_url}  metrics {t.metrics_url}\n"
+            for t in servers
+        )
+        routing = (
+            f"replicas      {len(servers)} Tritons: a request goes where its session or prefix "
+            f"went, within {cfg.triton.prefix_routing.slack} requests of the least loaded "
+            f"(KV cache reuse {'on' if args.kv_cache_reuse else 'as the repository sets it'})\n"
+            if len(servers) > 1
+            else ""
+        )
+        ready = (
+            tritons + routing + "sidecar       gRPC 127.0.0.1:{port}  "
+            "(scheduler.v1, KServe v2, health, reflection)  "
+            "metrics http://127.0.0.1:{metrics_port}/metrics\n"
+            "              HTTP {http}  (OpenAI /v1, Triton generate /v2)\n"
+            "              admin {admin} (loopback: no credential needed)\n"
+            f"lanes         queue timeouts {timers} ms: the source document's A100 "
+            "numbers unless the config says otherwise; a CPU engine step takes 20-60 ms, "
+            'so scale them to the engine (docs/policy.md, "Timers and the engine")\n'
+            "No credentials are configured: the client API is open on loopback only. To "
+            "serve other hosts, set server.host and auth.credentials_file (docs/sidecar.md)."
+            "\nCtrl-C stops both."
+        )
+        asyncio.run(
+            _serve_until_signal(cfg, on_ready=ready, config_path=args.config, overrides=overrides)
+        )
     return 0
 
 
@@ -596,6 +630,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="where Triton's own ports listen (loopback: they answer anyone, past every guard)",
     )
     run.add_argument("--triton-log", default="results/triton.log", help="where Triton's log goes")
+    run.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="Tritons to start (1-8; the others on free ports, logs triton-2.log...), all behind "
+        "the one sidecar with prefix and session affinity (triton.prefix_routing)",
+    )
+    run.add_argument(
+        "--kv-cache-reuse",
+        action="store_true",
+        help="serve a copy of the repository with the engine's enable_kv_cache_reuse on",
+    )
     sidecar_flags(run)
     run.set_defaults(func=_run)
 

@@ -180,10 +180,30 @@ def copy_engine_variant(
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
     config = (dst / "config.pbtxt").read_text()
     config = re.sub(r'^name: ".*"$', f'name: "{name}"', config, count=1, flags=re.M)
+    config = _with_parameters(config, overrides, src / "config.pbtxt")
+    (dst / "config.pbtxt").write_text(config + extra)
+    return dst
+
+
+def copy_repo_with(
+    src_repo: Path, dst_repo: Path, model: str, overrides: Mapping[str, str]
+) -> Path:
+    """Copy a whole model repository (linked files copied as files) with some `parameters`
+    of its model `model` given new values; a parameter it does not have is refused."""
+    shutil.copytree(src_repo, dst_repo, ignore=shutil.ignore_patterns("__pycache__"))
+    path = dst_repo / model / "config.pbtxt"
+    if not path.is_file():
+        raise ConfigError(f"{src_repo}: no model {model!r} to set {sorted(overrides)} on")
+    path.write_text(
+        _with_parameters(path.read_text(), overrides, src_repo / model / "config.pbtxt")
+    )
+    return dst_repo
+
+
+def _with_parameters(config: str, overrides: Mapping[str, str], where: Path) -> str:
     for key, value in overrides.items():
         pattern = rf'(key: "{key}"\s+value: {{ string_value: )"[^"]*"'
         config, count = re.subn(pattern, rf'\1"{value}"', config)
         if count != 1:
-            raise ConfigError(f"{src / 'config.pbtxt'}: no parameter {key!r} to override")
-    (dst / "config.pbtxt").write_text(config + extra)
-    return dst
+            raise ConfigError(f"{where}: no parameter {key!r} to override")
+    return config

@@ -166,7 +166,13 @@ def scrape_text(url: str) -> str:
         return str(response.read().decode())
 
 
-def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(
+    tmp_path: Path, replicas: int
+) -> None:
+    """`make run`; and with two Tritons (`--replicas 2 --kv-cache-reuse`): both start, the
+    sidecar routes between them, a conversation's second turn finds its prefix cached."""
+    extra = ["--replicas", "2", "--kv-cache-reuse"] if replicas == 2 else []
     cli = [
         sys.executable,
         "-m",
@@ -188,6 +194,7 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
         "0",
         "--triton-log",
         str(tmp_path / "triton.log"),
+        *extra,
     ]
     proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -214,12 +221,32 @@ def test_run_starts_triton_and_the_sidecar_and_stops_on_ctrl_c(tmp_path: Path) -
             stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=3)).usage.completion_tokens
             == 3
         )
+        if replicas == 2:
+            tritons = [
+                line.split("metrics ")[1].strip()
+                for line in lines
+                if line.startswith("tritonserver")
+            ]
+            assert len(tritons) == 2 and "replicas      2 Tritons" in "".join(lines)
+            for turn in (STORY[:200], STORY[:260]):  # the second resends the first, and more
+                stub.Generate(pb.GenerateRequest(prompt=turn, max_tokens=2, session_id="c1"))
+            reused = [
+                engine_metric(
+                    scrape(url),
+                    "scheduler_svc_engine_prompt_tokens_total",
+                    "tensorrt_llm",
+                    kind="reused",
+                )
+                for url in tritons
+            ]
+            assert sorted(reused)[0] == 0 and sorted(reused)[1] > 0  # one replica, from cache
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=WAIT_S) == 0, "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert any(line.startswith("tritonserver") for line in lines)
+    assert sum(line.startswith("tritonserver") for line in lines) == replicas
+    assert (tmp_path / "triton-2.log").exists() == (replicas == 2)
 
 
 def test_a_full_engine_queue_is_resource_exhausted(variants: TritonServer, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import yaml
@@ -353,6 +353,7 @@ class BenchRequest:
     max_tokens: int
     urgency: int
     tenant: str
+    session: str = ""  # a conversation's id (prefix and session affinity across replicas)
 
     @property
     def lane(self) -> str:
@@ -448,6 +449,7 @@ class SidecarClient:
             max_tokens=r.max_tokens,
             priority=SIDECAR_PRIORITY[r.urgency],
             tenant=r.tenant,
+            session_id=r.session,
         )
         out = Outcome(r.lane, len(r.prompt))
         start = time.monotonic()
@@ -479,8 +481,14 @@ class SidecarClient:
 Client = TritonClient | SidecarClient
 
 
+class Sender(Protocol):
+    """Anything that sends one bench request and says what it got."""
+
+    async def send(self, r: BenchRequest, deadline_s: float) -> Outcome: ...
+
+
 async def open_loop(
-    client: Client, requests: list[BenchRequest], deadline_s: float
+    client: Sender, requests: list[BenchRequest], deadline_s: float
 ) -> list[Outcome]:
     """Send every request at its scheduled time, whatever the server does; wait for them all."""
     start = time.monotonic()

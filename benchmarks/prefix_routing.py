@@ -1,0 +1,340 @@
+"""Shared prefixes across a pool of emulated Tritons (issue 32): cache hit rate and TTFT for
+round robin, the sidecar by load only, and the sidecar by prefix and session.
+
+`python benchmarks/prefix_routing.py [--out DIR]` (`make bench-prefix`). Starts REPLICAS
+Tritons, each serving the reference engine with the H200 profile's emulated time (slowed
+`--time-scale` times so this machine keeps it) and `enable_kv_cache_reuse` on, each with a KV
+pool of KV_TOKENS: room for a few of the sessions' 16 system prompts, while the pool as a whole
+holds all of them (round robin then caches every prompt everywhere and keeps evicting them).
+Then, for each workload (tools/bench/prefix.py) and each offered rate, the same open-loop
+arrivals go to:
+- `round-robin`: straight to the Tritons, each request to the next one (Triton's own client
+  balancing: what the pool does without the sidecar);
+- `least-loaded`: one sidecar over the pool, `prefix_routing.enabled: false`;
+- `prefix`: one sidecar over the pool with its defaults (prefix and session affinity).
+Every run draws new prompts (its own seed), so no run finds an earlier run's cache.
+
+Reported per run: the prefix hit rate (prompt tokens the engines served from cache, from their
+own counters, over those admitted, and over what one replica with an unbounded cache would
+have served, `ideal_reused`), TTFT P50/P90/P99 (emulated seconds), requests served and output
+tokens per emulated second, refusals, and the share of emulated steps that overran (a run
+with more than 1 % is marked invalid). QPS at the P99 SLO is the highest offered rate whose
+P99 TTFT is within the SLO, from the rates run (a sweep, not a bisection): the SLO is the
+project's rule, max(250 ms, 5x the unloaded TTFT), the unloaded TTFT being the profile's
+modelled prefill of one whole session prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import subprocess
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from scheduler_svc.core.config import PolicyConfig, to_mapping
+from scheduler_svc.core.slo import percentile
+from scheduler_svc.profiles import load_profile
+from scheduler_svc.tools.bench import emulated as E  # noqa: N812
+from scheduler_svc.tools.bench import prefix as W  # noqa: N812
+from scheduler_svc.tools.bench.emulated_run import EMULATED_ENGINE, MODEL, engine_parameters
+from scheduler_svc.tools.bench.live import (
+    BenchRequest,
+    SidecarClient,
+    TritonClient,
+    engine_value,
+    open_loop,
+    scrape,
+    start_sidecar,
+)
+from scheduler_svc.tools.bench.plan import Outcome
+from scheduler_svc.tools.bench.run import wait_idle
+from scheduler_svc.tools.modelrepo import copy_engine_variant
+from scheduler_svc.tools.triton.launcher import TritonServer
+
+PROFILE = "h200-8b-bf16"
+REPLICAS = 4
+KV_TOKENS = 12_288  # per replica: 768 blocks, about six 2,000-token system prompts
+TARGETS = ("round-robin", "least-loaded", "prefix")
+# Offered rates (requests per emulated second) per workload.
+RATES = {"sessions": (50.0, 100.0, 150.0), "fewshot": (100.0,), "control": (50.0,)}
+WINDOW_S = 4.0  # emulated seconds of arrivals (sessions' later turns follow for 6 s more)
+
+
+@dataclass
+class Pool:
+    tritons: list[TritonServer]
+    scale: float
+
+
+class RoundRobin:
+    """Each request to the next Triton in turn, over Triton's own protocol."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.clients = [TritonClient(t.grpc_url, MODEL, priority=False) for t in pool.tritons]
+        self.turn = 0
+
+    async def send(self, r: BenchRequest, deadline_s: float) -> Outcome:
+        client = self.clients[self.turn % len(self.clients)]
+        self.turn += 1
+        return await client.send(r, deadline_s)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+
+def counters(pool: Pool) -> dict[str, float]:
+    """The engines' reuse, token and step counters, summed over the pool."""
+    out = {"admitted": 0.0, "reused": 0.0, "overruns": 0.0, "steps": 0.0}
+    for triton in pool.tritons:
+        s = scrape(triton.metrics_url)
+        name = "scheduler_svc_engine_prompt_tokens_total"
+        out["admitted"] += engine_value(s, name, MODEL, kind="admitted")
+        out["reused"] += engine_value(s, name, MODEL, kind="reused")
+        out["overruns"] += engine_value(s, "scheduler_svc_engine_step_overruns_total", MODEL)
+        out["steps"] += engine_value(
+            s, "nv_trt_llm_general_metrics", MODEL, general_type="iteration_counter"
+        )
+    return out
+
+
+def sidecar(pool: Pool, workdir: Path, log_dir: Path, prefix: bool) -> tuple[Any, str]:
+    first, rest = pool.tritons[0], pool.tritons[1:]
+    config = {
+        "triton": {
+            "engine_model": MODEL,
+            "metrics_url": first.metrics_url,
+            "replicas": [{"url": t.grpc_url, "metrics_url": t.metrics_url} for t in rest],
+            "prefix_routing": {"enabled": prefix},
+        },
+        "policy": E.time_keys_scaled(to_mapping(PolicyConfig()), pool.scale),
+    }
+    name = "prefix" if prefix else "least-loaded"
+    path = workdir / f"sidecar-{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return start_sidecar(first.grpc_url, log_dir / f"sidecar-{name}.log", path)
+
+
+def summary(
+    outcomes: list[Outcome], requests: list[W.PrefixRequest], delta: dict[str, float], run_s: float
+) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.state == "ok"]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    ideal = W.ideal_reused(requests, 16)
+    return {
+        "offered": len(outcomes),
+        "served": len(ok),
+        "refused": sum(1 for o in outcomes if o.state.startswith("rejected")),
+        "failed": sum(1 for o in outcomes if o.state == "failed"),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "served_per_s": len(ok) / run_s,
+        "tokens_per_s": sum(o.tokens for o in ok) / run_s,
+        "prompt_admitted": delta["admitted"],
+        "prompt_reused": delta["reused"],
+        "hit_rate": delta["reused"] / delta["admitted"] if delta["admitted"] else 0.0,
+        "ideal_reused": ideal,
+        "of_ideal": delta["reused"] / ideal if ideal else None,
+        "overrun_share": delta["overruns"] / delta["steps"] if delta["steps"] else 0.0,
+    }
+
+
+async def one_run(
+    pool: Pool,
+    target: str,
+    address: str,
+    requests: list[W.PrefixRequest],
+    tag: str,
+    window_s: float,
+) -> dict[str, Any]:
+    bench = [
+        BenchRequest(
+            f"{tag}-{r.request_id}",
+            r.at_s * pool.scale,
+            r.prompt,
+            r.max_tokens,
+            0,
+            "bench",
+            f"{tag}-{r.session}" if r.session else "",
+        )
+        for r in requests
+    ]
+    for triton in pool.tritons:
+        wait_idle(triton.metrics_url, MODEL)
+    before = counters(pool)
+    client: RoundRobin | SidecarClient = (
+        RoundRobin(pool) if target == "round-robin" else SidecarClient(address)
+    )
+    try:
+        outcomes = await open_loop(client, bench, E.DEADLINE_S * pool.scale)
+    finally:
+        await client.close()
+    for triton in pool.tritons:
+        wait_idle(triton.metrics_url, MODEL)
+    time.sleep(0.2)  # the engines' last counters published
+    after = counters(pool)
+    delta = {k: after[k] - before[k] for k in after}
+    emulated = E.to_emulated(outcomes, pool.scale)
+    run_s = max(r.at_s for r in requests) if requests else 1.0
+    return summary(emulated, requests, delta, max(run_s, window_s))
+
+
+def fmt_s(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:,.0f} ms"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"Profile {results['profile']}, {results['replicas']} replicas of "
+        f"{results['kv_tokens']:,} KV tokens each, time scale {results['scale']:g}; "
+        f"SLO: P99 TTFT within {results['slo_s'] * 1000:.0f} ms (emulated).",
+        "",
+        "| workload | rate/s | target | served | refused | hit rate | of ideal | TTFT P50 | P90 "
+        "| P99 | tokens/s | overrun |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["runs"]:
+        s = row["summary"]
+        ideal = "–" if s["of_ideal"] is None else f"{s['of_ideal'] * 100:.0f} %"
+        lines.append(
+            f"| {row['workload']} | {row['rate']:g} | {row['target']} | {s['served']}/"
+            f"{s['offered']} | {s['refused']} | {s['hit_rate'] * 100:.1f} % | {ideal} | "
+            f"{fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p90_s'])} | {fmt_s(s['ttft_p99_s'])} | "
+            f"{s['tokens_per_s']:,.0f} | {s['overrun_share'] * 100:.2f} % |"
+        )
+    lines += ["", "| workload | target | QPS at the P99 SLO (highest rate run that met it) |"]
+    lines.append("|---|---|---:|")
+    for (workload, target), rate in results["qps_at_slo"].items():
+        lines.append(f"| {workload} | {target} | {'none met' if rate is None else f'{rate:g}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def prepare_repo(repo: Path, profile: Any, scale: float) -> None:
+    """The emulated engine on the profile at `scale`, KV_TOKENS of KV, KV cache reuse on."""
+    params = engine_parameters(PROFILE, profile, scale)
+    params.update({"max_tokens_in_paged_kv_cache": str(KV_TOKENS), "enable_kv_cache_reuse": "true"})
+    copy_engine_variant(EMULATED_ENGINE, repo, MODEL, params)
+
+
+def qps_at_slo(runs: list[dict[str, Any]], slo_s: float) -> dict[tuple[str, str], float | None]:
+    """Per workload and target, the highest rate run whose P99 TTFT met the SLO with at most
+    1 % refused or failed and at most 1 % of steps overrun; None where none did."""
+    qps: dict[tuple[str, str], float | None] = {}
+    for row in runs:
+        key = (row["workload"], row["target"])
+        s = row["summary"]
+        met = (
+            s["ttft_p99_s"] is not None
+            and s["ttft_p99_s"] <= slo_s
+            and s["refused"] + s["failed"] <= 0.01 * s["offered"]
+            and s["overrun_share"] <= 0.01
+        )
+        qps.setdefault(key, None)
+        if met and row["rate"] > (qps[key] or 0.0):
+            qps[key] = row["rate"]
+    return qps
+
+
+def start_pool(stack: ExitStack, repo: Path, out: Path, scale: float) -> Pool:
+    tritons = []
+    for i in range(REPLICAS):
+        log = stack.enter_context((out / f"triton-{i}.log").open("w"))
+        triton = TritonServer(
+            repo,
+            grpc_port=0,
+            http_port=0,
+            metrics_port=0,
+            log=functools.partial(_print_to, log),
+        )
+        triton.start()
+        stack.callback(triton.stop)
+        tritons.append(triton)
+    return Pool(tritons, scale)
+
+
+def _print_to(file: TextIO, line: str) -> None:
+    print(line, file=file, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--out", default="results/prefix")
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", action="append", choices=W.WORKLOADS)
+    parser.add_argument("--quick", action="store_true", help="one low rate, a short window")
+    args = parser.parse_args()
+    rates = {w: (20.0,) for w in W.WORKLOADS} if args.quick else RATES
+    window_s = 2.0 if args.quick else WINDOW_S
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(PROFILE)
+    slo_s = max(0.25, 5 * profile.step_s(0, 0, W.SYSTEM_TOKENS + W.USER_TOKENS))
+    workdir = Path(tempfile.mkdtemp(prefix="scheduler-svc-prefix-"))
+    prepare_repo(workdir / "repo", profile, args.time_scale)
+    runs: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        pool = start_pool(stack, workdir / "repo", out, args.time_scale)
+        sidecars: dict[str, str] = {}
+        for target, prefix in (("least-loaded", False), ("prefix", True)):
+            proc, address = sidecar(pool, workdir, out, prefix)
+            stack.callback(_stop, proc)
+            sidecars[target] = address
+        seed = args.seed
+        for workload in args.workload or W.WORKLOADS:
+            for rate in rates[workload]:
+                for target in TARGETS:
+                    seed += 1
+                    requests = W.workload(workload, rate, window_s, seed)
+                    started = time.monotonic()
+                    address = sidecars.get(target, "")
+                    result = asyncio.run(
+                        one_run(pool, target, address, requests, f"{seed}", window_s)
+                    )
+                    runs.append(
+                        {"workload": workload, "rate": rate, "target": target, "summary": result}
+                    )
+                    print(
+                        f"{workload} {rate:g}/s {target}: hit {result['hit_rate'] * 100:.0f} %, "
+                        f"P99 {fmt_s(result['ttft_p99_s'])}, served {result['served']}/"
+                        f"{result['offered']} ({time.monotonic() - started:.0f} s)",
+                        flush=True,
+                    )
+    qps = qps_at_slo(runs, slo_s)
+    results: dict[str, Any] = {
+        "command": "python benchmarks/prefix_routing.py" + (" --quick" if args.quick else ""),
+        "profile": PROFILE,
+        "replicas": REPLICAS,
+        "kv_tokens": KV_TOKENS,
+        "scale": args.time_scale,
+        "slo_s": slo_s,
+        "runs": runs,
+        "qps_at_slo": qps,
+    }
+    text = markdown(results)
+    (out / "results.md").write_text(text)
+    results["qps_at_slo"] = [{"workload": w, "target": t, "rate": r} for (w, t), r in qps.items()]
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(text)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+if __name__ == "__main__":
+    main()
