@@ -12,7 +12,8 @@ arrivals go to:
   balancing: what the pool does without the sidecar);
 - `least-loaded`: one sidecar over the pool, `prefix_routing.enabled: false`;
 - `prefix`: one sidecar over the pool with its defaults (prefix and session affinity).
-Every run draws new prompts (its own seed), so no run finds an earlier run's cache.
+Every target gets the same arrivals (and the same choice of shared prompt for each), with
+tokens drawn anew for each run, so no run finds an earlier run's cache.
 
 Reported per run: the prefix hit rate (prompt tokens the engines served from cache, from their
 own counters, over those admitted, and over what one replica with an unbounded cache would
@@ -290,16 +291,16 @@ def main() -> None:
             proc, address = sidecar(pool, workdir, out, prefix)
             stack.callback(_stop, proc)
             sidecars[target] = address
-        seed = args.seed
+        content = args.seed
         for workload in args.workload or W.WORKLOADS:
             for rate in rates[workload]:
                 for target in TARGETS:
-                    seed += 1
-                    requests = W.workload(workload, rate, window_s, seed)
+                    content += 1  # the same arrivals for every target, new prompts each run
+                    requests = W.workload(workload, rate, window_s, args.seed, content)
                     started = time.monotonic()
                     address = sidecars.get(target, "")
                     result = asyncio.run(
-                        one_run(pool, target, address, requests, f"{seed}", window_s)
+                        one_run(pool, target, address, requests, f"{content}", window_s)
                     )
                     runs.append(
                         {"workload": workload, "rate": rate, "target": target, "summary": result}

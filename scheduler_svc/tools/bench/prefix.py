@@ -47,42 +47,49 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1_000, 100_000) for _ in range(n))
 
 
-def workload(name: str, rate: float, window_s: float, seed: int) -> list[PrefixRequest]:
+def workload(
+    name: str, rate: float, window_s: float, seed: int, content_seed: int | None = None
+) -> list[PrefixRequest]:
     """`name`'s requests at `rate` requests per emulated second over `window_s`, in send order
-    (Poisson arrivals of sessions or requests)."""
+    (Poisson arrivals of sessions or requests). `seed` draws the arrivals and which shared
+    prompt each one uses; `content_seed` (default: `seed`) the tokens, so runs can offer the
+    same arrivals with prompts no earlier run cached."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
-    rng = random.Random(f"{name}/{seed}")
-    shared = random.Random(f"shared/{seed}")  # the same system prompts and headers everywhere
+    content = seed if content_seed is None else content_seed
+    arrivals = random.Random(f"{name}/{seed}")
+    tokens = random.Random(f"{name}/{content}/tokens")
+    shared = random.Random(f"shared/{content}")  # the same system prompts and headers everywhere
     out: list[PrefixRequest] = []
     if name == "sessions":
         systems = [_tokens(shared, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
         t, n = 0.0, 0
         while True:
-            t += rng.expovariate(rate / TURNS)  # sessions start at rate / TURNS
+            t += arrivals.expovariate(rate / TURNS)  # sessions start at rate / TURNS
             if t >= window_s:
                 break
-            history = systems[rng.randrange(SYSTEM_PROMPTS)]
+            history = systems[arrivals.randrange(SYSTEM_PROMPTS)]
             for turn in range(TURNS):
-                history = history + _tokens(rng, USER_TOKENS)
+                history = history + _tokens(tokens, USER_TOKENS)
                 out.append(
                     PrefixRequest(
                         f"s{n}-t{turn}", t + turn * TURN_GAP_S, history, ANSWER_TOKENS, f"s{n}"
                     )
                 )
-                history = history + _tokens(rng, ANSWER_TOKENS)
+                history = history + _tokens(tokens, ANSWER_TOKENS)
             n += 1
     else:
         headers = [_tokens(shared, FEWSHOT_TOKENS) for _ in range(FEWSHOT_HEADERS)]
         t, n = 0.0, 0
         while True:
-            t += rng.expovariate(rate)
+            t += arrivals.expovariate(rate)
             if t >= window_s:
                 break
+            header = headers[arrivals.randrange(FEWSHOT_HEADERS)]
             if name == "fewshot":
-                prompt = headers[rng.randrange(FEWSHOT_HEADERS)] + _tokens(rng, QUESTION_TOKENS)
+                prompt = header + _tokens(tokens, QUESTION_TOKENS)
             else:
-                prompt = _tokens(rng, CONTROL_TOKENS)
+                prompt = _tokens(tokens, CONTROL_TOKENS)
             out.append(PrefixRequest(f"r{n}", t, prompt, ANSWER_TOKENS))
             n += 1
     return sorted(out, key=lambda r: r.at_s)

@@ -39,3 +39,12 @@ def test_the_unbounded_cache_serves_every_shared_block_once_seen() -> None:
     )
     with pytest.raises(ValueError, match="unknown workload"):
         W.workload("nope", 1.0, 1.0, 0)
+
+
+def test_a_content_seed_changes_the_tokens_and_keeps_the_arrivals() -> None:
+    one = W.workload("sessions", rate=8.0, window_s=5.0, seed=3, content_seed=1)
+    two = W.workload("sessions", rate=8.0, window_s=5.0, seed=3, content_seed=2)
+    assert [(r.at_s, len(r.prompt), r.session) for r in one] == [
+        (r.at_s, len(r.prompt), r.session) for r in two
+    ]
+    assert not {r.prompt[:16] for r in one} & {r.prompt[:16] for r in two}
