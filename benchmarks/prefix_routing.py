@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import subprocess
 import tempfile
@@ -37,7 +36,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import yaml
 
@@ -59,7 +58,7 @@ from scheduler_svc.tools.bench.live import (
 from scheduler_svc.tools.bench.plan import Outcome
 from scheduler_svc.tools.bench.run import wait_idle
 from scheduler_svc.tools.modelrepo import copy_engine_variant
-from scheduler_svc.tools.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonServer, start_tritons
 
 PROFILE = "h200-8b-bf16"
 REPLICAS = 4
@@ -181,8 +180,7 @@ async def one_run(
     finally:
         await client.close()
     for triton in pool.tritons:
-        wait_idle(triton.metrics_url, MODEL)
-    time.sleep(0.2)  # the engines' last counters published
+        wait_idle(triton.metrics_url, MODEL)  # idle in the same publication as the counters
     after = counters(pool)
     delta = {k: after[k] - before[k] for k in after}
     emulated = E.to_emulated(outcomes, pool.scale)
@@ -247,24 +245,7 @@ def qps_at_slo(runs: list[dict[str, Any]], slo_s: float) -> dict[tuple[str, str]
 
 
 def start_pool(stack: ExitStack, repo: Path, out: Path, scale: float) -> Pool:
-    tritons = []
-    for i in range(REPLICAS):
-        log = stack.enter_context((out / f"triton-{i}.log").open("w"))
-        triton = TritonServer(
-            repo,
-            grpc_port=0,
-            http_port=0,
-            metrics_port=0,
-            log=functools.partial(_print_to, log),
-        )
-        triton.start()
-        stack.callback(triton.stop)
-        tritons.append(triton)
-    return Pool(tritons, scale)
-
-
-def _print_to(file: TextIO, line: str) -> None:
-    print(line, file=file, flush=True)
+    return Pool(start_tritons(stack, repo, REPLICAS, out / "triton.log"), scale)
 
 
 def main() -> None:

@@ -34,14 +34,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 import yaml
 
 from scheduler_svc import __version__
 from scheduler_svc.config import SidecarConfig, load_config
 from scheduler_svc.errors import ConfigError, SchedulerSvcError
-from scheduler_svc.tools.triton.launcher import TritonServer
+from scheduler_svc.tools.triton.launcher import TritonPorts, TritonServer, start_tritons
 
 
 def _triton(args: argparse.Namespace) -> int:
@@ -159,10 +159,6 @@ RUN_METRICS_PORT = 9464
 RUN_HTTP_PORT = 8080
 
 
-def _print_line(file: TextIO, line: str) -> None:
-    print(line, file=file, flush=True)
-
-
 def _run(args: argparse.Namespace) -> int:
     """Triton with the reference engine (or `--replicas` of them), then the sidecar in front,
     until Ctrl-C."""
@@ -179,25 +175,16 @@ def _run(args: argparse.Namespace) -> int:
 
             copy = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "repo"
             repo = copy_repo_with(repo, copy, "tensorrt_llm", {"enable_kv_cache_reuse": "true"})
-        servers: list[TritonServer] = []
-        for index in range(args.replicas):
-            path = (
-                log_file if index == 0 else log_file.with_name(f"{log_file.stem}-{index + 1}.log")
-            )
-            triton_log = stack.enter_context(path.open("w"))
-            first = index == 0  # the others on free ports
-            server = TritonServer(
-                repo,
-                grpc_port=args.triton_grpc_port if first else 0,
-                http_port=args.triton_http_port if first else 0,
-                metrics_port=args.triton_metrics_port if first else 0,
-                log=functools.partial(_print_line, triton_log),
-                host=args.triton_host,
-            )
-            print(f"starting tritonserver on {args.model_repo} (log: {path}) ...", flush=True)
-            server.start()
-            stack.callback(server.stop)
-            servers.append(server)
+        ports = TritonPorts(args.triton_grpc_port, args.triton_http_port, args.triton_metrics_port)
+        servers = start_tritons(
+            stack,
+            repo,
+            args.replicas,
+            log_file,
+            ports=ports,
+            host=args.triton_host,
+            announce=functools.partial(print, flush=True),
+        )
         server = servers[0]
         overrides = _overrides(args)
         overrides.setdefault("triton", {})["url"] = server.grpc_url

@@ -64,9 +64,8 @@ class PrefixIndex:
     def record(self, replica: int, keys: Sequence[bytes], now: float) -> None:
         """`replica` was sent a prompt with these leading blocks now."""
         for key in keys:
-            seen = self._keys.pop(key, None) or {}
-            seen[replica] = now
-            self._keys[key] = seen
+            self._keys.setdefault(key, {})[replica] = now
+            self._keys.move_to_end(key)
         while len(self._keys) > self.max_blocks:
             self._keys.popitem(last=False)
         # Drop what has expired everywhere, from the oldest routed on.

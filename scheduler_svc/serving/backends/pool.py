@@ -79,7 +79,9 @@ class TritonPool:
     async def ready(self) -> bool:
         """Check every endpoint (remembering each answer); ready if any one is."""
         answers = await asyncio.gather(*(e.backend.ready() for e in self.endpoints))
-        for endpoint, answer in zip(self.endpoints, answers, strict=True):
+        for index, (endpoint, answer) in enumerate(zip(self.endpoints, answers, strict=True)):
+            if endpoint.ready and not answer and self.router is not None:
+                self.router.index.forget(index)  # back later, likely restarted: cache gone
             endpoint.ready = answer
         return any(answers)
 

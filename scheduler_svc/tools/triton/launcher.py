@@ -9,6 +9,7 @@ errors of `scheduler_svc.errors`, with the model name and Triton's own reason wh
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from scheduler_svc.errors import (
     LauncherError,
@@ -294,3 +296,41 @@ class TritonServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def start_tritons(
+    stack: contextlib.ExitStack,
+    repo: str | Path,
+    count: int,
+    log_path: Path,
+    *,
+    ports: TritonPorts = TritonPorts(0, 0, 0),
+    host: str = LOOPBACK,
+    announce: Callable[[str], None] | None = None,
+) -> list[TritonServer]:
+    """Start `count` Tritons on one repository, the first on `ports` and the others on free
+    ones, each logging to its own file (`log_path`, then `<stem>-2.log`, ...); `stack` stops
+    them and closes the logs. Started one after another: each loads the engine alone."""
+    servers: list[TritonServer] = []
+    for index in range(count):
+        path = log_path if index == 0 else log_path.with_name(f"{log_path.stem}-{index + 1}.log")
+        log = stack.enter_context(path.open("w"))
+        chosen = ports if index == 0 else TritonPorts(0, 0, 0)
+        server = TritonServer(
+            repo,
+            grpc_port=chosen.grpc,
+            http_port=chosen.http,
+            metrics_port=chosen.metrics,
+            log=functools.partial(_write_line, log),
+            host=host,
+        )
+        if announce is not None:
+            announce(f"starting tritonserver on {repo} (log: {path}) ...")
+        server.start()
+        stack.callback(server.stop)
+        servers.append(server)
+    return servers
+
+
+def _write_line(file: TextIO, line: str) -> None:
+    print(line, file=file, flush=True)

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from scheduler_svc.config import PrefixRouting, Replica, TritonConfig
+from scheduler_svc.core.prefix import block_keys
 from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.serving.backends.base import GenerationInput
 from scheduler_svc.serving.backends.pool import TritonPool
@@ -46,3 +50,22 @@ def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
     assert len({id(e) for e in picked}) == 3  # round robin among equals
     single = TritonPool(TritonConfig(url="127.0.0.1:1"))
     assert single.router is None  # one endpoint: nothing to route
+
+
+def test_an_endpoint_that_goes_unready_is_forgotten_by_the_prefix_index() -> None:
+    """Back from a readiness miss it has likely restarted with an empty cache."""
+    backends = pool()
+    first = backends.pick(row(HEADER))
+    index = backends.endpoints.index(first)
+    answers = {e.url: e is not first for e in backends.endpoints}
+    for endpoint in backends.endpoints:
+
+        async def ready(url: str = endpoint.url) -> bool:
+            return answers[url]
+
+        endpoint.backend.ready = ready  # type: ignore[method-assign]
+    assert backends.router is not None
+    keys = block_keys(HEADER, 16)
+    assert backends.router.index.matched(keys, time.monotonic()) == {index: 4}
+    assert asyncio.run(backends.ready())
+    assert backends.router.index.matched(keys, time.monotonic()) == {}
