@@ -49,6 +49,7 @@ class Entry:
     promoted: bool = False
     version: int = 0  # bumped on requeue, so the timers set for the previous wait are void
     deadline: float = 0.0  # in-flight engines: start order (arrival + the lane's TTFT target)
+    held_since: float | None = None  # in-flight engines: first found due with the KV pool full
     bucket: Bucket | None = None
 
     @property

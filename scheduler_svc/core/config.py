@@ -59,7 +59,9 @@ class LaneConfig:
 
     name: str
     min_prompt_tokens: int  # lower bound (inclusive); the next lane's bound is this one's upper
-    share: float  # weight of the lane in the work-conserving split of the token budget
+    # Weight of the lane in the work-conserving split of the token budget (static engines); the
+    # first lane's is also the share of rows the row guard keeps for it (in-flight engines).
+    share: float
     max_batch: int  # rows per released batch
     max_queued: int  # requests allowed to wait in this lane
     queue_timeout_s: float | None  # time in queue before `on_timeout`; None: never

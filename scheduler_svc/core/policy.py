@@ -48,7 +48,10 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   first lane's prompts are not budgeted: they pass a later lane held by the budget.
 - Starvation bound: a request is overtaken only by requests due before it, i.e. arriving less
   than (its lane's start budget - theirs, at most its target) after it, or by first-lane requests
-  while the budget holds it, which lasts until the long prompts in the engine are prefilled.
+  while the budget holds it, which lasts until the long prompts in the engine are prefilled, or,
+  while the KV pool cannot take it, by other lanes' requests that fit, for at most KV_PASS_SHARE
+  of its lane's TTFT target from when it was first held; after that the blocks that free are kept
+  for it, so it starts once the running requests free what it needs.
 - Admission: refuse at arrival only what is predicted to start past what its lane allows
   (`allowed_wait`) after the work due before it (on the first lane: its own lane's), at the
   engine's drain rate. A lane's timeout action fires at its start budget; a hot request past it
@@ -69,7 +72,8 @@ Invariants (tests/unit/core/test_policy.py's state machine):
   predicts 0) and with that wait, > 0, as its hint; the queued tokens a lane's prediction
   divides and its unprefilled prompt tokens are exactly its requests' sums;
 - in-flight engines: no dispatch leaves a queued request that was due earlier and could have
-  gone (rows, KV; for a later lane, the budget); the later lanes' unprefilled prompt tokens
+  gone (rows, KV; for a later lane, the budget; another lane's, past one the KV pool could not
+  take within its pass window); the later lanes' unprefilled prompt tokens
   exceed the budget only by one prompt sent alone.
 """
 
@@ -134,6 +138,9 @@ class PolicyEvent(StrEnum):
     RECONFIGURED = "reconfigured"
 
 
+# How long, as a share of its lane's TTFT target, a request due first that the KV pool cannot
+# take yet lets other lanes' requests start past it (`_may_pass`).
+KV_PASS_SHARE = 1.0
 # The share of its lane's TTFT target left before a request due first goes ahead of its lane's
 # fair head (when its tenant is not ahead in fair order by more than that request).
 URGENT_SHARE = 0.25
@@ -210,6 +217,7 @@ class PolicyScheduler:
         # ... and by fair order (tag, seq, request id): which of the lane's requests goes.
         self._fair: dict[str, list[tuple[float, int, str]]] = {n: [] for n in self.lanes}
         self._now = 0.0
+        self._row_guard_at: float | None = None  # the latest first-lane miss with rows full
 
     # -- arrivals ----------------------------------------------------------------------------
 
@@ -559,6 +567,9 @@ class PolicyScheduler:
     def _on_lane_timeout(self, lane: str, entry: Entry, now: float, out: list[Decision]) -> None:
         action = self.lanes[lane].config.on_timeout
         rid = entry.request_id
+        first = lane == self.config.lanes[0].name
+        if first and self.deadline_order and self._rows_in_flight >= self.config.kv.max_in_flight:
+            self._row_guard_at = now  # it missed for want of a row: keep rows for its lane
         if action is OnTimeout.DEGRADE:
             if self.config.degrade_backend:
                 self._drop(lane, entry)
@@ -804,11 +815,13 @@ class PolicyScheduler:
         while the later lanes' prompt tokens the engine has not prefilled yet stay within
         `prefill_budget_tokens` (or nothing of theirs is prefilling: a prompt longer than the
         budget goes alone), so a short prompt arriving finds at most about one step of long
-        prompt work ahead of it in the engine. The first request that cannot go for rows or
-        KV stops the round (nothing due later overtakes it: the room that frees is kept for
-        it); one held by the budget stops only the later lanes."""
+        prompt work ahead of it in the engine. The first request that cannot go for rows stops
+        the round (nothing due later overtakes it: the row that frees is kept for it); one
+        the KV pool cannot take yet stops only its own lane while `_may_pass` allows, then the
+        round; one held by the budget stops only the later lanes; one of the last lane held by
+        the row guard (`rows_kept`) stops only its lane."""
         budget = self.config.prefill_budget_tokens
-        first = self.config.lanes[0].name
+        first, last = self.config.lanes[0].name, self.config.lanes[-1].name
         long_prefill = sum(n for lane, n in self._prefill_tokens.items() if lane != first)
         open_lanes = set(self.lanes)
         while open_lanes:
@@ -816,9 +829,13 @@ class PolicyScheduler:
             if head is None:
                 return
             lane, entry = head
-            if self._rows_in_flight >= self.config.kv.max_in_flight or not self._engine_has_room():
+            rows_left = self.config.kv.max_in_flight - self._rows_in_flight
+            if rows_left <= 0 or not self._engine_has_room():
                 return
             budgeted = lane != first
+            if budgeted and lane == last and rows_left <= self.rows_kept:
+                open_lanes.discard(lane)  # the row guard holds the last lane alone
+                continue
             if (
                 budgeted
                 and budget is not None
@@ -828,24 +845,73 @@ class PolicyScheduler:
                 open_lanes = {first} & open_lanes
                 continue
             if not self.mirror.admissible([self.need(entry)], [entry.prompt_tokens]):
+                if self._may_pass(lane, entry):
+                    open_lanes.discard(lane)
+                    continue
                 return
             self._release(lane, [entry], out)
             if budgeted:
                 long_prefill += entry.prompt_tokens
 
+    @property
+    def rows_kept(self) -> int:
+        """Rows the last lane (the longest prompts: each holds a row longest, and its target is
+        the loosest) leaves to the first lane's requests on an in-flight engine: none
+        (work-conserving) until a first-lane request misses its start budget with every row
+        taken; from then, for one drain half-life (`admission.half_life_s`) after the latest
+        such miss, the first lane's `share` of the engine's sequences, rounded down. Rows are
+        not taken back from running requests, so a short request finds one free only if it was
+        left: where rows run out before KV (the CPU engine's 16), cold prompts took every row
+        that freed and a hot request waited about a completion's spacing for the next (live,
+        mixed at 1.2x capacity: ~200 ms against a start budget of ~60 ms; at every hot miss
+        the cold lane held 5-11 of the 16 rows). Kept from the middle lanes too, it refused 34
+        of 85 warm requests at 8:1 and 0.9x capacity in a paired run, where without it none
+        were."""
+        since = self._row_guard_at
+        if since is None or self._now - since >= self.config.admission.half_life_s:
+            return 0
+        return int(self.config.kv.max_in_flight * self.config.lanes[0].share)
+
+    def _may_pass(self, lane: str, entry: Entry) -> bool:
+        """Whether other lanes' requests may start past `entry`, the request due first, which
+        the KV pool cannot take yet: for KV_PASS_SHARE of its lane's TTFT target from when it was
+        first held, after which the room that frees is kept for it. Without the window a long
+        prompt waiting for its blocks held every shorter request due later behind it while rows
+        stood empty (live, mixed at 1.2x capacity: a quarter of the rows idle and most hot
+        requests answered at their target)."""
+        if entry.held_since is None:
+            entry.held_since = self._now
+        window = KV_PASS_SHARE * self.lanes[lane].config.ttft_target_s
+        return self._now - entry.held_since < window
+
+    def _yields(self, lane: str, entry: Entry) -> bool:
+        """Whether `entry`, past the time it had to start by, yields to requests that can still
+        meet theirs: until it has waited its lane's aging bound (`max_wait_s`; never for a lane
+        without one), after which it goes by its deadline again. A request that has already
+        missed its target gains nothing from going first, while the requests it would hold back
+        can still make theirs (live, mixed at 1.2x: cold prompts waiting seconds took every row
+        that freed and hot requests were answered at their target)."""
+        max_wait = self.lanes[lane].config.max_wait_s
+        return entry.deadline < self._now and (
+            max_wait is not None and self._now < entry.arrived_at + max_wait
+        )
+
     def _earliest(self, lanes: set[str]) -> tuple[str, Entry] | None:
         """The next request to start among `lanes`: the lane whose queued request is due
-        first, and of that lane the request first in fair order (with fairness off: the one due
-        first)."""
-        best: tuple[float, int, str, Entry] | None = None
+        first (one past its deadline and yielding, `_yields`, after every one that is not), and
+        of that lane the request first in fair order (with fairness off: the one due first)."""
+        best: tuple[bool, float, int, str, Entry] | None = None
         for lane in lanes:
             head = self._head(self._deadlines[lane], lane)
-            if head is not None and (best is None or (head.deadline, head.seq) < best[:2]):
-                best = (head.deadline, head.seq, lane, head)
+            if head is None:
+                continue
+            key = (self._yields(lane, head), head.deadline, head.seq)
+            if best is None or key < best[:3]:
+                best = (*key, lane, head)
         if best is None:
             return None
-        lane = best[2]
-        due = best[3]
+        lane = best[3]
+        due = best[4]
         if self.config.fairness.enabled:
             fair = self._head(self._fair[lane], lane)
             if fair is not None and fair is not due:

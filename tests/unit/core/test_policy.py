@@ -26,7 +26,13 @@ from scheduler_svc.core.config import (
     default_lanes,
     prefill_budget_tokens,
 )
-from scheduler_svc.core.policy import MIN_START_SHARE, URGENT_SHARE, PolicyEvent, PolicyScheduler
+from scheduler_svc.core.policy import (
+    KV_PASS_SHARE,
+    MIN_START_SHARE,
+    URGENT_SHARE,
+    PolicyEvent,
+    PolicyScheduler,
+)
 from scheduler_svc.core.types import (
     Admitted,
     Dispatch,
@@ -309,6 +315,66 @@ def test_requests_start_earliest_deadline_first_across_lanes() -> None:
     policy.submit(req("hot2", 100), 2.3)  # due at 2.55 s
     policy.on_done("cold", 2.4, 10)
     assert dispatched(policy.schedule(2.4)) == ["cold2"]
+
+
+def test_a_request_the_kv_pool_cannot_take_yet_is_passed_for_a_while_then_kept_for() -> None:
+    kv = KvConfig(total_blocks=300, max_in_flight=8, forecast_peak=False)
+    # No aging bound on cold: c1 never yields for being past its deadline (tested below).
+    lanes = tuple(
+        replace(lane, max_wait_s=None) if lane.name == "cold" else lane for lane in default_lanes()
+    )
+    policy = PolicyScheduler(PolicyConfig(lanes=lanes, kv=kv, continuous_batching=True))
+    policy.submit(req("c0", 3000), 0.0)
+    assert dispatched(policy.schedule(0.0)) == ["c0"]
+    policy.submit(req("c1", 3000), 0.0)  # due at 1.5 s; the blocks it needs are c0's
+    policy.submit(req("h0", 100), 1.3)  # due at 1.55 s, after c1
+    # Rows are free and the pool cannot take c1: h0 passes it rather than wait with them.
+    assert dispatched(policy.schedule(1.3)) == ["h0"]
+    policy.submit(req("h1", 100), 2.7)
+    assert dispatched(policy.schedule(2.7)) == ["h1"]
+    # c1 was first held at 1.3 s; a cold target (1.5 s) later nothing due after it passes it:
+    # the blocks that free are kept for it.
+    policy.submit(req("h2", 100), 2.85)
+    assert dispatched(policy.schedule(2.85)) == []
+    policy.on_done("c0", 2.9, 10)
+    assert dispatched(policy.schedule(2.9)) == ["c1", "h2"]
+
+
+def test_a_request_past_its_deadline_yields_to_those_that_can_meet_theirs_for_a_while() -> None:
+    policy = _in_flight(1)
+    policy.submit(req("run", 100), 0.0)
+    assert dispatched(policy.schedule(0.0)) == ["run"]
+    policy.submit(req("c0", 2000), 0.0)  # due at 1.5 s; cold's aging bound is 5 s
+    policy.submit(req("h0", 100), 2.0)  # due at 2.25 s: c0 is late, h0 can still make it
+    policy.on_done("run", 2.1, 10)
+    assert dispatched(policy.schedule(2.1)) == ["h0"]
+    policy.submit(req("h1", 100), 5.0)  # c0 has waited its aging bound by 5 s: it goes first
+    policy.on_done("h0", 5.1, 10)
+    assert dispatched(policy.schedule(5.1)) == ["c0"]
+
+
+def test_once_a_hot_request_misses_for_want_of_a_row_the_cold_lane_leaves_rows_to_hot() -> None:
+    policy = _in_flight(16)
+    assert policy.rows_kept == 0  # work-conserving until a miss
+    for i in range(17):
+        policy.submit(req(f"c{i}", 2000), 0.0)
+    assert len(dispatched(policy.schedule(0.0))) == 16  # every row
+    policy.submit(req("h0", 100), 0.01)
+    [missed] = policy.schedule(0.26)  # no row freed within hot's 250 ms
+    assert isinstance(missed, Expired) and missed.reason is ExpireReason.MISSED_TARGET
+    assert policy.rows_kept == 6  # hot's share, 0.40 of 16
+    for i in range(6):
+        policy.on_done(f"c{i}", 0.3, 10)
+    assert dispatched(policy.schedule(0.3)) == []  # c16 leaves the six rows to hot
+    policy.submit(req("h1", 100), 0.31)
+    assert dispatched(policy.schedule(0.31)) == ["h1"]  # and h1 finds one at once
+    policy.on_done(f"c{6}", 0.4, 10)
+    assert dispatched(policy.schedule(0.4)) == []
+    policy.submit(req("w0", 500), 0.45)  # the middle lane's requests are not held by it
+    assert dispatched(policy.schedule(0.45)) == ["w0"]
+    # One drain half-life (10 s) after the miss the rows are the later lanes' again.
+    policy.on_done(f"c{7}", 10.3, 10)
+    assert policy.rows_kept == 0 and dispatched(policy.schedule(10.3)) == ["c16"]
 
 
 def test_the_prefill_budget_holds_later_lanes_and_lets_the_first_pass() -> None:
@@ -676,7 +742,7 @@ class PolicyMachine(RuleBasedStateMachine):
         lanes = tuple(replace(lane, max_queued=12) for lane in default_lanes())
         self.config = PolicyConfig(
             lanes=lanes,
-            kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8),
+            kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=16),
             # Learn drain rates quickly, so predictive admission acts within a run.
             admission=AdmissionConfig(min_busy_s=0.05, min_completions=1),
             # Tenant a weighs twice b: fair order, fair admission and push-out all act.
@@ -780,7 +846,12 @@ class PolicyMachine(RuleBasedStateMachine):
             # The lane whose request is due first; of it, the request first in fair order,
             # unless the one due first is nearly out of slack and its tenant at most one of its
             # requests ahead of the fair head (deadline feasibility first).
-            _, _, lane, due = min(candidates, key=lambda q: q[:2])
+            # Each lane ranks by its request due first; one past its deadline within its lane's
+            # aging bound yields (its lane goes after the others).
+            heads = {}
+            for q in sorted(candidates, key=lambda q: q[:2]):
+                heads.setdefault(q[2], q)
+            _, _, lane, due = min(heads.values(), key=lambda q: (self.yields(q[3], q[2]), *q[:2]))
             entry = due
             if self.config.fairness.enabled:
                 fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
@@ -788,6 +859,13 @@ class PolicyMachine(RuleBasedStateMachine):
                 urgent = due.deadline - self.now <= URGENT_SHARE * queue.config.ttft_target_s
                 close = due.tag <= fair.tag + queue.typical_span
                 entry = due if urgent and close else fair
+            if full:
+                return  # held by rows: the request due first keeps the row that frees
+            last = self.config.lanes[-1].name
+            if lane == last != first and self.rows_left() <= policy.rows_kept:
+                # The row guard holds the last lane alone: the others may still go.
+                candidates = [q for q in candidates if q[2] != lane]
+                continue
             held = (
                 lane != first
                 and budget is not None
@@ -795,10 +873,21 @@ class PolicyMachine(RuleBasedStateMachine):
                 and prefilling + entry.prompt_tokens > budget
             )
             fits = mirror.admissible([policy.need(entry)], [entry.prompt_tokens]) == 1
-            assert held or not fits or full, f"{entry.request_id} could go"
-            # Held by rows or KV, the request due first keeps what frees (nothing overtakes
-            # it); held by the budget, the first lane's may still pass it.
-            candidates = [q for q in candidates if q[2] == first] if held and lane != first else []
+            assert held or not fits, f"{entry.request_id} could go"
+            if held:  # held by the budget: the first lane's may still pass it
+                candidates = [q for q in candidates if q[2] == first] if lane != first else []
+                continue
+            # Held by KV: other lanes' requests may pass it within its window, counted from when
+            # it was first held (so set); after that nothing overtakes it.
+            assert entry.held_since is not None and entry.held_since <= self.now
+            window = KV_PASS_SHARE * self.config.lane(lane).ttft_target_s
+            passable = self.now - entry.held_since < window
+            candidates = [q for q in candidates if q[2] != lane] if passable else []
+
+    def yields(self, entry: Entry, lane: str) -> bool:
+        max_wait = self.config.lane(lane).max_wait_s
+        late = entry.deadline < self.now
+        return late and max_wait is not None and self.now < entry.arrived_at + max_wait
 
     def check_waits(self) -> None:
         # Nobody waits past its lane's bound + batch timeout while what it needs is free, unless
