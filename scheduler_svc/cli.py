@@ -668,12 +668,23 @@ def _add_bench_command(commands: Any) -> None:
     )
     bench.add_argument(
         "--plan",
-        choices=("full", "slo", "kv", "deadline", "budget", "overload", "agree", "document"),
+        choices=(
+            "full",
+            "slo",
+            "kv",
+            "deadline",
+            "budget",
+            "overload",
+            "guard",
+            "agree",
+            "document",
+        ),
         default=None,
         help="on the CPU engine: full (the default: every mix, load and QPS-at-SLO search), "
         "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "
         "under KV pressure), deadline (issue 28's targets), budget (make run's sidecar against "
-        "a pinned two-step prefill budget), overload (issue 28's overload and 8:1 at 0.9x, twice); "
+        "a pinned two-step prefill budget), overload (issue 28's overload and 8:1 at 0.9x, twice), "
+        "guard (make run's sidecar against the same without its row guard, mixed and the burst); "
         "with --engine-profile: agree (the default: the "
         "simulator against the live stack) or document (the source document's table on the "
         "profile)",

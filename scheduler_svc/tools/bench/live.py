@@ -38,11 +38,11 @@ from scheduler_svc.serving.tokenizer import load_tokenizer
 from scheduler_svc.sim.workload import SimRequest
 from scheduler_svc.testing.process import ready_ports, serve_command
 from scheduler_svc.tools.bench.plan import (
-    BUDGET_TARGETS,
     DEFAULTS_TARGET,
     LANES,
     SMART_BATCHING,
     SUMMED_TARGET,
+    VARIANT_TARGETS,
     EngineDelta,
     Outcome,
     classify_error,
@@ -191,8 +191,8 @@ def sidecar_config(
     }
     if target == DEFAULTS_TARGET:  # make run's: the core's defaults, A100 timers
         return config
-    if target in BUDGET_TARGETS:  # make run's with another prefill budget
-        config["policy"] = {"prefill_budget_tokens": BUDGET_TARGETS[target]}
+    if target in VARIANT_TARGETS:  # make run's with one setting changed
+        config["policy"] = VARIANT_TARGETS[target]
         return config
     if scheduler == "policy":
         ratio, timeout = SMART_BATCHING[target]

@@ -37,6 +37,7 @@ TARGET_NAMES = {
     "policy_budget_off": "make run's sidecar, no prefill budget",
     "policy_budget_4steps": "make run's sidecar, prefill budget 4 steps",
     "policy_budget_2steps": "make run's sidecar, prefill budget 2 steps",
+    "policy_no_row_guard": "make run's sidecar, no row guard",
 }
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
@@ -44,10 +45,19 @@ SUMMED_TARGET = "policy_summed"
 # The policy with `make run`'s settings: the core's defaults, the source document's A100 lane
 # timers (hot 100 ms, warm 500 ms), not rescaled to this engine. Run where a plan says.
 DEFAULTS_TARGET = "policy_defaults"
-# make run's policy with its prefill budget (`policy.prefill_budget_tokens`) pinned to two of the
-# CPU engine's 256-token steps: the default before it followed the engine's chunking policy
-# (none under equal_progress). The budget plan runs it beside the default.
-BUDGET_TARGETS: dict[str, int | None] = {"policy_budget_2steps": 512}
+# make run's policy with one setting changed (its `policy` section's overrides), run beside the
+# default by the plan that asks: its prefill budget (`policy.prefill_budget_tokens`) pinned to
+# two of the CPU engine's 256-token steps, the default before it followed the engine's chunking
+# policy (none under equal_progress: the budget plan); no row guard (the first lane's share so
+# small that it keeps no row: the guard plan).
+BUDGET_TARGET = "policy_budget_2steps"
+NO_GUARD_TARGET = "policy_no_row_guard"
+VARIANT_TARGETS: dict[str, dict[str, Any]] = {
+    BUDGET_TARGET: {"prefill_budget_tokens": 512},
+    NO_GUARD_TARGET: {
+        "lanes": [{"name": "hot", "share": 0.001}, {"name": "warm"}, {"name": "cold"}]
+    },
+}
 # QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
 # MAX_REFUSED of its requests was refused or failed (core/slo.py: the rule everything uses).
 LANES = ("hot", "warm", "cold")
@@ -285,7 +295,7 @@ BUDGET = Plan(
     calibrate_s=8.0,
     deadline_s=30.0,
     overhead_rounds=0,
-    step_targets=("triton", DEFAULTS_TARGET, *BUDGET_TARGETS),
+    step_targets=("triton", DEFAULTS_TARGET, BUDGET_TARGET),
 )
 # Issue 28's overload target (5) and the 8:1 mix just below saturation (2), make run's sidecar
 # against Triton alone on the same arrivals, twice with fresh arrivals (~12 min): the short
@@ -302,7 +312,20 @@ OVERLOAD = replace(
     step_targets=("triton", DEFAULTS_TARGET),
     warmup_requests=32,
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD)}
+# The row guard's worth on the mixed workload (issue 28, target 5): make run's sidecar against
+# the same without the guard, and Triton alone, on the same arrivals, past and below saturation
+# and in the burst (~10 min).
+GUARD = replace(
+    BUDGET,
+    name="guard",
+    steps=(
+        *_grid("inflight", ["mixed"], [1.2, 0.9, 0.6]),
+        Step("inflight", "burst", BURST_LOAD),
+    ),
+    step_targets=("triton", DEFAULTS_TARGET, NO_GUARD_TARGET),
+    warmup_requests=32,
+)
+PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD, GUARD)}
 
 
 def lane_of(prompt_tokens: int) -> str:

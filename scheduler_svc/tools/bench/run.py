@@ -242,7 +242,7 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
             defaults = any(engine == strategy for engine, _ in plan.defaults_at)
             if defaults or P.DEFAULTS_TARGET in wanted:
                 targets.append(P.DEFAULTS_TARGET)
-            targets += [t for t in P.BUDGET_TARGETS if t in wanted]
+            targets += [t for t in P.VARIANT_TARGETS if t in wanted]
             st.add_sidecars(strategy, slo, targets)
             progress.advance(f"calibrated the {strategy} engine")
         if plan.overhead_rounds:

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +216,7 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
     from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
     from scheduler_svc.core.engine import Batching, EngineProfile  # noqa: PLC0415
 
-    assert bp.BUDGET.targets(bp.BUDGET.steps[0]) == (
-        "triton",
-        bp.DEFAULTS_TARGET,
-        *bp.BUDGET_TARGETS,
-    )
+    assert bp.BUDGET.targets(bp.BUDGET.steps[0]) == ("triton", bp.DEFAULTS_TARGET, bp.BUDGET_TARGET)
     slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
     # The CPU engine: 256-token steps, prompts chunked by equal_progress.
     engine = EngineProfile(
@@ -231,13 +228,38 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
     )
     budgets = {}
     assert all(t in bp.TARGET_NAMES for t in bp.BUDGET.targets(bp.BUDGET.steps[0]))
-    for target in (bp.DEFAULTS_TARGET, *bp.BUDGET_TARGETS):
+    for target in (bp.DEFAULTS_TARGET, bp.BUDGET_TARGET):
         cfg = SidecarConfig.model_validate(live.sidecar_config("inflight", target, "http://m", slo))
         budgets[target] = cfg.policy_for_engine(cfg.policy_config(), engine).prefill_budget_tokens
     assert budgets == {
         bp.DEFAULTS_TARGET: None,  # equal_progress: the engine shares each step itself
         "policy_budget_2steps": 512,  # two of the engine's steps, pinned
     }
+
+
+def test_the_guard_plan_runs_make_runs_sidecar_beside_the_same_without_its_row_guard() -> None:
+    from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
+    from scheduler_svc.core.policy import PolicyScheduler  # noqa: PLC0415
+
+    assert bp.GUARD.targets(bp.GUARD.steps[0]) == ("triton", bp.DEFAULTS_TARGET, bp.NO_GUARD_TARGET)
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    configs = {
+        target: SidecarConfig.model_validate(
+            live.sidecar_config("inflight", target, "http://m", slo)
+        ).policy_config()
+        for target in (bp.DEFAULTS_TARGET, bp.NO_GUARD_TARGET)
+    }
+    # The same policy but for the first lane's share, which the guard keeps rows by.
+    guarded, plain = configs[bp.DEFAULTS_TARGET], configs[bp.NO_GUARD_TARGET]
+    assert replace(plain, lanes=guarded.lanes) == guarded
+    assert replace(plain.lanes[0], share=guarded.lanes[0].share) == guarded.lanes[0]
+    assert plain.lanes[1:] == guarded.lanes[1:]
+    kept = {}
+    for target, config in configs.items():
+        policy = PolicyScheduler(replace(config, kv=replace(config.kv, max_in_flight=16)))
+        policy._row_guard_at = 0.0  # a hot request just missed for want of a row
+        kept[target] = policy.rows_kept
+    assert kept == {bp.DEFAULTS_TARGET: 6, bp.NO_GUARD_TARGET: 0}
 
 
 def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
