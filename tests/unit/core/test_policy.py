@@ -363,6 +363,7 @@ def test_once_a_hot_request_misses_for_want_of_a_row_the_cold_lane_leaves_rows_t
     [missed] = policy.schedule(0.26)  # no row freed within hot's 250 ms
     assert isinstance(missed, Expired) and missed.reason is ExpireReason.MISSED_TARGET
     assert policy.rows_kept == 6  # hot's share, 0.40 of 16
+    assert dict(policy.stats().counters)["row_guard"] == 1  # exported: when it trips
     for i in range(6):
         policy.on_done(f"c{i}", 0.3, 10)
     assert dispatched(policy.schedule(0.3)) == []  # c16 leaves the six rows to hot
