@@ -743,7 +743,7 @@ class PolicyMachine(RuleBasedStateMachine):
         lanes = tuple(replace(lane, max_queued=12) for lane in default_lanes())
         self.config = PolicyConfig(
             lanes=lanes,
-            kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=16),
+            kv=KvConfig(total_blocks=300, tokens_per_block=16, max_in_flight=8),
             # Learn drain rates quickly, so predictive admission acts within a run.
             admission=AdmissionConfig(min_busy_s=0.05, min_completions=1),
             # Tenant a weighs twice b: fair order, fair admission and push-out all act.
