@@ -50,6 +50,7 @@ class Entry:
     version: int = 0  # bumped on requeue, so the timers set for the previous wait are void
     deadline: float = 0.0  # in-flight engines: start order (arrival + the lane's TTFT target)
     held_since: float | None = None  # in-flight engines: first found due with the KV pool full
+    timed_by: str = ""  # in-flight engines: the lane whose TTFT target times it ("": its own)
     bucket: Bucket | None = None
 
     @property

@@ -175,6 +175,7 @@ class _InFlight:
     mispredicted: bool = False
     prefilling: bool = False  # dispatched, no first token yet (counts against prefill shares)
     started_at: float = 0.0  # when it was dispatched
+    timed_by: str = ""  # the lane whose first-token times it teaches ("": its own)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,20 @@ class PolicyScheduler:
                 chosen = lane.name
         return chosen
 
+    def timed_by(self, lane: str, request: Request) -> str:
+        """The lane whose TTFT target a request in `lane` is held to: its own, except that a
+        request the client pinned to a lane with a tighter target than the lane its prompt's
+        length picks is held to the latter's. Pinning buys a place in the order, not a target
+        its own prompt cannot meet (the SLO rule bounds a lane's TTFT by its prompts' unloaded
+        time: a 2,000-token prompt pinned to the hot lane cannot prefill within a target set for
+        128-token ones). Only deadline order uses it (the static path times lanes by their
+        queue timeouts)."""
+        if request.lane is None:
+            return lane
+        by_length = self.classify(request)
+        tighter = self.lanes[lane].config.ttft_target_s < self.lanes[by_length].config.ttft_target_s
+        return by_length if tighter else lane
+
     def submit(self, request: Request, now: float) -> Admitted | Rejected:
         """Queue the request in its lane's buckets, or reject it at once."""
         self._now = now
@@ -263,7 +278,8 @@ class PolicyScheduler:
         fair = self.config.fairness.enabled
         tenant = root_tenant(request.tenant)
         tag = queue.start_tag(tenant) if fair else None
-        late = self._late(lane, request.queue_deadline, now, tag, tenant)
+        timed_by = self.timed_by(lane, request)
+        late = self._late(lane, request.queue_deadline, now, tag, tenant, timed_by)
         if late is not None:
             wait, allowed = late
             if self.deadline_order:
@@ -305,7 +321,8 @@ class PolicyScheduler:
                 self._retry_hint(lane),
             )
         entry = Entry(request, next(self._seq), now, now, predicted, max_tokens)
-        entry.deadline = self._order_key(lane, now, request.queue_deadline)
+        entry.timed_by = timed_by
+        entry.deadline = self._order_key(timed_by, now, request.queue_deadline)
         self._enqueue(lane, entry, now)
         self._lane_timers(lane, entry)
         self._settle_busy(now)
@@ -410,21 +427,23 @@ class PolicyScheduler:
         key = arrived_at + self.start_budget(lane)
         return key if client_deadline is None else min(key, client_deadline)
 
-    def lane_timeout(self, lane: str) -> float | None:
+    def lane_timeout(self, lane: str, timed_by: str = "") -> float | None:
         """How long a request waits in `lane` before the lane's timeout action: on an in-flight
-        engine its start budget (for a lane with a timeout at all), else its queue timeout."""
+        engine its start budget (for a lane with a timeout at all; the budget of the lane that
+        times it, `timed_by`, where not its own), else its queue timeout."""
         cfg = self.lanes[lane].config
         if cfg.queue_timeout_s is None or not self.deadline_order:
             return cfg.queue_timeout_s
-        return self.start_budget(lane)
+        return self.start_budget(timed_by or lane)
 
-    def allowed_wait(self, lane: str) -> float | None:
-        """The longest a request entering `lane` should wait there: until it would be refused
-        (a requeue lane: its timeout times its waits) or lose its class (a degrade lane: its
-        timeout). None: waiting never costs it either (it goes to a fallback or elastic
-        backend, gets a shorter answer, or keeps waiting)."""
+    def allowed_wait(self, lane: str, timed_by: str = "") -> float | None:
+        """The longest a request entering `lane` (timed by `timed_by`'s target, where not its
+        own) should wait there: until it would be refused (a requeue lane: its timeout times its
+        waits) or lose its class (a degrade lane: its timeout). None: waiting never costs it
+        either (it goes to a fallback or elastic backend, gets a shorter answer, or keeps
+        waiting)."""
         cfg = self.lanes[lane].config
-        timeout = self.lane_timeout(lane)
+        timeout = self.lane_timeout(lane, timed_by)
         if timeout is None or cfg.on_timeout is OnTimeout.ELASTIC:
             return None
         if cfg.on_timeout is OnTimeout.REQUEUE:
@@ -445,17 +464,19 @@ class PolicyScheduler:
         now: float,
         tag: float | None = None,
         tenant: str = "",
+        timed_by: str = "",
     ) -> tuple[float, float] | None:
         """(predicted wait, time allowed) when a request entering `lane` now (at fair place
-        `tag`, where fairness is on) is predicted to start too late for the lane or for its
-        deadline; None when it may be admitted."""
+        `tag`, where fairness is on; timed by `timed_by`'s target where not its lane's) is
+        predicted to start too late for the lane or for its deadline; None when it may be
+        admitted."""
         if not self.config.admission.enabled:
             return None
-        key = self._order_key(lane, now, deadline) if self.deadline_order else None
+        key = self._order_key(timed_by or lane, now, deadline) if self.deadline_order else None
         wait = self.predicted_wait(lane, key, tag, tenant)
         if wait is None:
             return None
-        allowed = self.allowed_wait(lane)
+        allowed = self.allowed_wait(lane, timed_by)
         if deadline is not None:
             left = max(0.0, deadline - now)
             allowed = left if allowed is None else min(allowed, left)
@@ -490,7 +511,7 @@ class PolicyScheduler:
             self._timer(
                 now + queue.config.batch_timeout_s, _Timer(_TimerKind.BATCH, lane, bucket=bucket)
             )
-        timeout = self.lane_timeout(lane)
+        timeout = self.lane_timeout(lane, entry.timed_by)
         if timeout is not None:
             self._timer(
                 now + timeout, _Timer(_TimerKind.TIMEOUT, lane, entry.request_id, entry.version)
@@ -591,7 +612,7 @@ class PolicyScheduler:
             else:
                 self._degrade_to_lower_lane(lane, entry, now, out)
         elif action is OnTimeout.REQUEUE:
-            timeout = self.lane_timeout(lane)
+            timeout = self.lane_timeout(lane, entry.timed_by)
             again = entry.requeues < self.lanes[lane].config.max_requeues
             if self.deadline_order and timeout is not None and again:
                 # In deadline order waiting again keeps the request's place: only its timer moves.
@@ -760,6 +781,7 @@ class PolicyScheduler:
                 batch.batch_id,
                 prefilling=True,
                 started_at=self._now,
+                timed_by=entry.timed_by,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -968,7 +990,7 @@ class PolicyScheduler:
                 self._fair[name] = []
             for name, entry in self._queued.values():
                 entry.deadline = self._order_key(
-                    name, entry.arrived_at, entry.request.queue_deadline
+                    entry.timed_by or name, entry.arrived_at, entry.request.queue_deadline
                 )
                 self._deadlines[name].append((entry.deadline, entry.seq, entry.request_id))
                 self._fair[name].append((entry.tag, entry.seq, entry.request_id))
@@ -1050,7 +1072,7 @@ class PolicyScheduler:
         if flight.prefilling and output_tokens > 0:
             flight.prefilling = False
             self._prefill_tokens[flight.lane] -= flight.prompt_tokens
-            self.first_token[flight.lane].observe(now - flight.started_at)
+            self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
         used = flight.prompt_tokens + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to
         # prompt + max_tokens): outputs past a high quantile mostly end soon after it.

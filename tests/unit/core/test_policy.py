@@ -413,6 +413,34 @@ def test_a_hot_request_past_its_target_is_answered_at_once_not_sent_down() -> No
     assert isinstance(late, Expired) and late.reason is ExpireReason.REQUEUE_LIMIT
 
 
+def test_a_long_prompt_pinned_to_hot_keeps_hot_order_but_its_own_lengths_target() -> None:
+    policy = _in_flight(1)
+    policy.submit(req("run", 100), 0.0)
+    policy.schedule(0.0)
+    # 3,000 tokens pinned hot (an interactive chat with a long history): timed by the cold
+    # lane its length picks (1.5 s), not hot's 250 ms that its own prefill could not meet.
+    policy.submit(req("long", 3000, lane="hot"), 0.0)
+    policy.submit(req("short", 100, lane="cold"), 0.0)  # pinned to a looser lane: keeps it
+    assert policy.timed_by("hot", req("x", 3000, lane="hot")) == "cold"
+    assert policy.timed_by("cold", req("x", 100, lane="cold")) == "cold"
+    assert policy.timed_by("hot", req("x", 100)) == "hot"
+    assert policy.schedule(0.3) == []  # past hot's target: still waiting
+    policy.on_progress("run", 1, 0.35)
+    policy.on_done("run", 0.4, 1)
+    # Both due at 1.5 s: the earlier arrival goes first.
+    assert dispatched(policy.schedule(0.4)) == ["long"]
+    policy.on_progress("long", 1, 0.5)
+    # What it taught is the cold lane's start-to-first-token time, not the hot lane's.
+    assert len(policy.first_token["cold"].samples) == 1
+    assert len(policy.first_token["hot"].samples) == 1  # "run"'s only
+    # Still timed out at its own length's target.
+    policy.submit(req("late", 3000, lane="hot"), 0.5)
+    assert policy.schedule(1.99) == []
+    [expired] = policy.schedule(2.0)
+    assert isinstance(expired, Expired) and expired.request_id == "late"
+    assert expired.reason is ExpireReason.MISSED_TARGET
+
+
 def test_a_lane_starts_its_requests_early_enough_for_the_engines_first_token() -> None:
     policy = _in_flight(1)
     assert policy.start_budget("hot") == 0.25  # nothing learned: the whole target
@@ -762,15 +790,17 @@ class PolicyMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 400),
         tenant=st.sampled_from(["a", "b"]),
         deadline=st.none() | st.floats(0.0, 2.0),
+        pin=st.none() | st.sampled_from(["hot", "cold"]),
     )
-    def submit(self, prompt: int, max_tokens: int, tenant: str, deadline: float | None) -> None:
+    def submit(
+        self, prompt: int, max_tokens: int, tenant: str, deadline: float | None, pin: str | None
+    ) -> None:
         rid = f"r{self.n}"
         self.n += 1
         when = None if deadline is None else self.now + deadline
         queued_before = self.policy.stats().queued
-        verdict = self.policy.submit(
-            Request(rid, prompt, max_tokens, tenant=tenant, queue_deadline=when), self.now
-        )
+        request = Request(rid, prompt, max_tokens, tenant=tenant, queue_deadline=when, lane=pin)
+        verdict = self.policy.submit(request, self.now)
         if isinstance(verdict, Rejected):
             self.ends[rid] = "rejected"
             if verdict.reason is RejectReason.PREDICTED_LATE:
