@@ -19,10 +19,13 @@ Reported per run: the prefix hit rate (prompt tokens the engines served from cac
 own counters, over those admitted, and over what one replica with an unbounded cache would
 have served, `ideal_reused`), TTFT P50/P90/P99 (emulated seconds), requests served and output
 tokens per emulated second, refusals, and the share of emulated steps that overran (a run
-with more than 1 % is marked invalid). QPS at the P99 SLO is the highest offered rate whose
-P99 TTFT is within the SLO, from the rates run (a sweep, not a bisection): the SLO is the
-project's rule, max(250 ms, 5x the unloaded TTFT), the unloaded TTFT being the profile's
-modelled prefill of one whole session prompt.
+with more than 1 % is marked invalid). QPS at the P99 SLO, for the sessions workload: a
+bisection per target (the simulator's and the live bench's `RateSearch`) over SEARCH_RANGE in
+SEARCH_ITERATIONS halvings, each trial new arrivals at its rate (the same for every target);
+a trial meets the SLO when its P99 TTFT is within it with at most 1 % refused or failed and at
+most 1 % of steps overrun. The SLO is the project's rule, max(250 ms, 5x the unloaded TTFT), the
+unloaded TTFT being the profile's modelled prefill of one whole session prompt. `--no-search`
+skips it (the sweep's rates then give only "the highest rate run that met it").
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import yaml
 from scheduler_svc.core.config import PolicyConfig, to_mapping
 from scheduler_svc.core.slo import percentile
 from scheduler_svc.profiles import load_profile
+from scheduler_svc.sim.report import RateSearch
 from scheduler_svc.tools.bench import emulated as E  # noqa: N812
 from scheduler_svc.tools.bench import prefix as W  # noqa: N812
 from scheduler_svc.tools.bench.emulated_run import EMULATED_ENGINE, MODEL, engine_parameters
@@ -65,8 +69,10 @@ REPLICAS = 4
 KV_TOKENS = 12_288  # per replica: 768 blocks, about six 2,000-token system prompts
 TARGETS = ("round-robin", "least-loaded", "prefix")
 # Offered rates (requests per emulated second) per workload.
-RATES = {"sessions": (50.0, 100.0, 150.0), "fewshot": (100.0,), "control": (50.0,)}
+RATES = {"sessions": (50.0, 100.0), "fewshot": (100.0,), "control": (50.0,)}
 WINDOW_S = 4.0  # emulated seconds of arrivals (sessions' later turns follow for 6 s more)
+SEARCH_RANGE = (40.0, 200.0)  # requests per emulated second: QPS at the SLO, sessions
+SEARCH_ITERATIONS = 4  # halvings: a 10/s resolution
 
 
 @dataclass
@@ -215,6 +221,24 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append("|---|---|---:|")
     for (workload, target), rate in results["qps_at_slo"].items():
         lines.append(f"| {workload} | {target} | {'none met' if rate is None else f'{rate:g}'} |")
+    if results.get("search"):
+        low, high = SEARCH_RANGE
+        lines += [
+            "",
+            f"QPS at the P99 SLO by bisection over {low:g}-{high:g}/s "
+            f"({SEARCH_ITERATIONS} halvings), sessions:",
+            "",
+            "| target | QPS at the P99 SLO | trials (rate/s: met or P99, refused) |",
+            "|---|---:|---|",
+        ]
+        for row in results["search"]:
+            tried = "; ".join(
+                f"{t['rate']:g}: "
+                + ("met" if t["met"] else f"{fmt_s(t['summary']['ttft_p99_s'])}, ")
+                + ("" if t["met"] else f"{t['summary']['refused']}/{t['summary']['offered']}")
+                for t in row["trials"]
+            )
+            lines.append(f"| {row['target']} | {row['rate']:g} | {tried} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,23 +249,59 @@ def prepare_repo(repo: Path, profile: Any, scale: float) -> None:
     copy_engine_variant(EMULATED_ENGINE, repo, MODEL, params)
 
 
+def meets_slo(s: dict[str, Any], slo_s: float) -> bool:
+    """A run's P99 TTFT within the SLO, at most 1 % refused or failed, at most 1 % of its
+    steps overrun."""
+    return (
+        s["ttft_p99_s"] is not None
+        and s["ttft_p99_s"] <= slo_s
+        and s["refused"] + s["failed"] <= 0.01 * s["offered"]
+        and s["overrun_share"] <= 0.01
+    )
+
+
 def qps_at_slo(runs: list[dict[str, Any]], slo_s: float) -> dict[tuple[str, str], float | None]:
-    """Per workload and target, the highest rate run whose P99 TTFT met the SLO with at most
-    1 % refused or failed and at most 1 % of steps overrun; None where none did."""
+    """Per workload and target, the highest rate run that met the SLO (`meets_slo`); None
+    where none did."""
     qps: dict[tuple[str, str], float | None] = {}
     for row in runs:
         key = (row["workload"], row["target"])
-        s = row["summary"]
-        met = (
-            s["ttft_p99_s"] is not None
-            and s["ttft_p99_s"] <= slo_s
-            and s["refused"] + s["failed"] <= 0.01 * s["offered"]
-            and s["overrun_share"] <= 0.01
-        )
         qps.setdefault(key, None)
-        if met and row["rate"] > (qps[key] or 0.0):
+        if meets_slo(row["summary"], slo_s) and row["rate"] > (qps[key] or 0.0):
             qps[key] = row["rate"]
     return qps
+
+
+def search_qps(
+    pool: Pool, sidecars: dict[str, str], slo_s: float, seed: int, content: int
+) -> tuple[list[dict[str, Any]], int]:
+    """QPS at the P99 SLO of every target on the sessions workload, by bisection: each
+    trial's arrivals seeded by its rate (the same for every target), its prompts new. Returns
+    one row per target (its trials with them) and the next content seed."""
+    rows: list[dict[str, Any]] = []
+    for target in TARGETS:
+        search = RateSearch(*SEARCH_RANGE, SEARCH_ITERATIONS)
+        trials: list[dict[str, Any]] = []
+        while (rate := search.next_rate()) is not None:
+            content += 1
+            requests = W.workload("sessions", rate, WINDOW_S, seed + round(rate * 1000), content)
+            started = time.monotonic()
+            result = asyncio.run(
+                one_run(pool, target, sidecars.get(target, ""), requests, f"q{content}", WINDOW_S)
+            )
+            met = meets_slo(result, slo_s)
+            search.record(rate, met)
+            trials.append({"rate": rate, "met": met, "summary": result})
+            print(
+                f"QPS at SLO, sessions, {target} at {rate:g}/s: {'met' if met else 'missed'} "
+                f"(P99 {fmt_s(result['ttft_p99_s'])}, refused {result['refused']}/"
+                f"{result['offered']}; {time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
+        rows.append(
+            {"workload": "sessions", "target": target, "rate": search.rate, "trials": trials}
+        )
+    return rows, content
 
 
 def start_pool(stack: ExitStack, repo: Path, out: Path, scale: float) -> Pool:
@@ -255,6 +315,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", action="append", choices=W.WORKLOADS)
     parser.add_argument("--quick", action="store_true", help="one low rate, a short window")
+    parser.add_argument(
+        "--no-search", action="store_true", help="skip the QPS-at-SLO bisection (sessions)"
+    )
     args = parser.parse_args()
     rates = {w: (20.0,) for w in W.WORKLOADS} if args.quick else RATES
     window_s = 2.0 if args.quick else WINDOW_S
@@ -292,6 +355,9 @@ def main() -> None:
                         f"{result['offered']} ({time.monotonic() - started:.0f} s)",
                         flush=True,
                     )
+        search: list[dict[str, Any]] = []
+        if not (args.quick or args.no_search):
+            search, content = search_qps(pool, sidecars, slo_s, args.seed, content)
     qps = qps_at_slo(runs, slo_s)
     results: dict[str, Any] = {
         "command": "python benchmarks/prefix_routing.py" + (" --quick" if args.quick else ""),
@@ -302,6 +368,7 @@ def main() -> None:
         "slo_s": slo_s,
         "runs": runs,
         "qps_at_slo": qps,
+        "search": search,
     }
     text = markdown(results)
     (out / "results.md").write_text(text)
