@@ -38,6 +38,8 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   the earliest deadline starts first, across lanes, as soon as the engine has a free sequence
   and the KV pool admits it. Long work
   absorbs delay up to its own looser target; short work is never behind work due later.
+  A request pinned to a lane with a tighter target than its length's lane is timed by the
+  latter (`timed_by`): pinning buys its place, not a target its own prompt cannot meet.
   Within a lane tenants go in fair order (core/bucketing.py: `policy.fairness`), except that the
   lane's request due first passes the fair head once under URGENT_SHARE of its target is left,
   where its tag is at most a typical request's span past that head's (`typical_span`).
@@ -721,12 +723,15 @@ class PolicyScheduler:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _fits(self, lane: str, bucket: Bucket, max_batch: int) -> list[Entry]:
-        """The members, in fair order, that the KV pool admits now (`BlockMirror.admissible`:
-        within the free blocks less the reserve, and none while blocks are owed) and the
-        sequence limit can hold (at most `max_batch`: a bucket filled before the lane's max batch
-        shrank goes in parts), within the engine's free sequences."""
+        """The members, promoted ones first, then in fair order, that the KV pool admits now
+        (`BlockMirror.admissible`: within the free blocks less the reserve, and none while
+        blocks are owed) and the sequence limit can hold (at most `max_batch`: a bucket filled
+        before the lane's max batch shrank goes in parts), within the engine's free sequences.
+        Promoted first: a request that waited its aging bound is not kept behind a newer member
+        that does not fit (a requeued request takes a new, later fair tag)."""
         limit = min(self.config.kv.max_in_flight - self._rows_in_flight, max_batch)
-        order = sorted(bucket.members, key=lambda e: (e.tag, e.seq))[: max(0, limit)]
+        order = sorted(bucket.members, key=lambda e: (not e.promoted, e.tag, e.seq))
+        order = order[: max(0, limit)]
         needs = [self.need(e) for e in order]
         return order[: self.mirror.admissible(needs, [e.prompt_tokens for e in order])]
 

@@ -696,6 +696,30 @@ def test_aging_promotes_a_blocked_request_and_keeps_freed_room_for_it() -> None:
     assert dispatched(policy.schedule(0.45)) == ["big", "h2"]
 
 
+def test_a_promoted_request_goes_before_a_newer_bucket_mate_that_does_not_fit() -> None:
+    # One requeue lane: a request that waits again takes a new, later fair tag, so a newer
+    # request in its bucket comes first in fair order. Once promoted it must not wait behind
+    # that one where only it fits (found by the state machine at 16 rows).
+    lanes = (
+        LaneConfig("only", 0, 1.0, 8, 16, 0.1, OnTimeout.REQUEUE, 10, 0.35, 4.0, 0.0),
+    )
+    kv = KvConfig(total_blocks=64, tokens_per_block=16, max_in_flight=16, reserve_fraction=0.05)
+    breaker = BreakerConfig(watch_lane="only", demote_lane="only", to_lane="only")
+    policy = PolicyScheduler(PolicyConfig(lanes=lanes, kv=kv, breaker=breaker))
+    policy.submit(req("run1", 719, max_tokens=1), 0.0)  # 45 blocks
+    policy.submit(req("run2", 159, max_tokens=1), 0.0)  # 10 blocks: 9 left, 4 kept
+    assert sorted(dispatched(policy.schedule(0.0))) == ["run1", "run2"]
+    policy.submit(req("old", 100, max_tokens=1), 0.0)  # 7 blocks: waits
+    policy.submit(req("new", 250, max_tokens=1), 0.15)  # 16 blocks, same bucket
+    for t in (0.1, 0.2, 0.3, 0.36):
+        assert dispatched(policy.schedule(t)) == []
+    assert dict(policy.stats().counters)["promoted"] == 1
+    queued = policy.lanes["only"].entries
+    assert queued["new"].tag < queued["old"].tag  # old waited again after new came
+    policy.on_done("run2", 0.37, 1)  # 19 free: old fits (7 + 4 kept), new does not (16 + 4)
+    assert dispatched(policy.schedule(0.37)) == ["old"]
+
+
 def test_queue_caps_reject_with_a_retry_hint() -> None:
     lanes = (LaneConfig("only", 0, 1.0, 4, 2, None, OnTimeout.REQUEUE),)
     config = PolicyConfig(
