@@ -36,6 +36,7 @@ import json
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from scheduler_svc.sim.report import RateSearch
 from scheduler_svc.tools.bench import emulated as E  # noqa: N812
 from scheduler_svc.tools.bench import prefix as W  # noqa: N812
 from scheduler_svc.tools.bench.emulated_run import EMULATED_ENGINE, MODEL, engine_parameters
+from scheduler_svc.tools.bench.fairness import refusal_reason
 from scheduler_svc.tools.bench.live import (
     BenchRequest,
     SidecarClient,
@@ -140,6 +142,9 @@ def summary(
         "offered": len(outcomes),
         "served": len(ok),
         "refused": sum(1 for o in outcomes if o.state.startswith("rejected")),
+        "refusals": dict(
+            Counter(refusal_reason(o.error) for o in outcomes if o.state.startswith("rejected"))
+        ),
         "failed": sum(1 for o in outcomes if o.state == "failed"),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -198,6 +203,14 @@ def fmt_s(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:,.0f} ms"
 
 
+def refused(s: dict[str, Any]) -> str:
+    """A run's refusals, with the policy's reasons where there were any."""
+    reasons = s.get("refusals") or {}
+    if not reasons:
+        return str(s["refused"])
+    return f"{s['refused']} (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")"
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Profile {results['profile']}, {results['replicas']} replicas of "
@@ -213,7 +226,7 @@ def markdown(results: dict[str, Any]) -> str:
         ideal = "–" if s["of_ideal"] is None else f"{s['of_ideal'] * 100:.0f} %"
         lines.append(
             f"| {row['workload']} | {row['rate']:g} | {row['target']} | {s['served']}/"
-            f"{s['offered']} | {s['refused']} | {s['hit_rate'] * 100:.1f} % | {ideal} | "
+            f"{s['offered']} | {refused(s)} | {s['hit_rate'] * 100:.1f} % | {ideal} | "
             f"{fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p90_s'])} | {fmt_s(s['ttft_p99_s'])} | "
             f"{s['tokens_per_s']:,.0f} | {s['overrun_share'] * 100:.2f} % |"
         )

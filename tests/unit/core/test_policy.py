@@ -700,9 +700,7 @@ def test_a_promoted_request_goes_before_a_newer_bucket_mate_that_does_not_fit() 
     # One requeue lane: a request that waits again takes a new, later fair tag, so a newer
     # request in its bucket comes first in fair order. Once promoted it must not wait behind
     # that one where only it fits (found by the state machine at 16 rows).
-    lanes = (
-        LaneConfig("only", 0, 1.0, 8, 16, 0.1, OnTimeout.REQUEUE, 10, 0.35, 4.0, 0.0),
-    )
+    lanes = (LaneConfig("only", 0, 1.0, 8, 16, 0.1, OnTimeout.REQUEUE, 10, 0.35, 4.0, 0.0),)
     kv = KvConfig(total_blocks=64, tokens_per_block=16, max_in_flight=16, reserve_fraction=0.05)
     breaker = BreakerConfig(watch_lane="only", demote_lane="only", to_lane="only")
     policy = PolicyScheduler(PolicyConfig(lanes=lanes, kv=kv, breaker=breaker))
