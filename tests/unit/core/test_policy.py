@@ -831,6 +831,13 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert queued_before > 0 and verdict.retry_after_s > 0
         else:
             self.admitted.add(rid)
+            queued = self.policy.queued_ids()
+            if rid in queued:
+                # Timed by its lane's target, or if pinned the looser of that and its length's.
+                entry = self.policy.lanes[queued[rid]].entries[rid]
+                lanes = {queued[rid], self.policy.classify(request)} if pin else {queued[rid]}
+                target = self.config.lane(entry.timed_by).ttft_target_s
+                assert target == max(self.config.lane(n).ttft_target_s for n in lanes)
 
     @rule(dt=st.floats(0.0, 0.7))
     def tick(self, dt: float) -> None:
@@ -933,7 +940,7 @@ class PolicyMachine(RuleBasedStateMachine):
             # Held by KV: other lanes' requests may pass it within its window, counted from when
             # it was first held (so set); after that nothing overtakes it.
             assert entry.held_since is not None and entry.held_since <= self.now
-            window = KV_PASS_SHARE * self.config.lane(lane).ttft_target_s
+            window = KV_PASS_SHARE * self.config.lane(entry.timed_by or lane).ttft_target_s
             passable = self.now - entry.held_since < window
             candidates = [q for q in candidates if q[2] != lane] if passable else []
 
