@@ -209,9 +209,11 @@ def _run(args: argparse.Namespace) -> int:
             f"tritonserver  gRPC {t.grpc_url}  HTTP {t.http_url}  metrics {t.metrics_url}\n"
             for t in servers
         )
+        configured = cfg.triton.prefix_routing.slack
+        slack = "the engine's slack" if configured is None else f"{configured} requests"
         routing = (
             f"replicas      {len(servers)} Tritons: a request goes where its session or prefix "
-            f"went, within {cfg.triton.prefix_routing.slack} requests of the least loaded "
+            f"went, within {slack} of the least loaded "
             f"(KV cache reuse {'on' if args.kv_cache_reuse else 'as the repository sets it'})\n"
             if len(servers) > 1
             else ""

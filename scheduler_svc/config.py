@@ -77,12 +77,14 @@ class PrefixRouting(_Frozen):
         le=86_400,
         description="Seconds a routed block (and a session's replica) counts as cached there.",
     )
-    slack: int = Field(
-        2,
+    slack: int | None = Field(
+        None,
         ge=0,
         le=1024,
         description="Most requests in flight a replica may have above the least loaded one and "
-        "still take a request for its cache (0: pure load balancing among equals).",
+        "still take a request for its cache (0: pure load balancing among equals); null: from "
+        "the engine, one per 32 sequences a replica runs, at least 2 (256-sequence H200 "
+        "profile: 8; the CPU engine's 16: 2).",
     )
     max_sessions: int = Field(
         65_536, ge=1, le=16_777_216, description="Sessions whose last replica is remembered."

@@ -907,10 +907,11 @@ class PolicyScheduler:
     def _may_pass(self, lane: str, entry: Entry) -> bool:
         """Whether other lanes' requests may start past `entry`, the request due first, which
         the KV pool cannot take yet: for KV_PASS_SHARE of its TTFT target (its lane's, or the
-        lane timing it: `timed_by`) from when it was first held, after which the room that frees is kept for it. Without the window a long
-        prompt waiting for its blocks held every shorter request due later behind it while rows
-        stood free (counted live at mixed 1.2x capacity: a cold prompt the pool could not take
-        headed a few hundred dispatch rounds of a 30 s run with 11-15 of the 16 rows taken)."""
+        lane timing it: `timed_by`) from when it was first held, after which the room that frees
+        is kept for it. Without the window a long prompt waiting for its blocks held every
+        shorter request due later behind it while rows stood free (counted live at mixed 1.2x
+        capacity: a cold prompt the pool could not take headed a few hundred dispatch rounds of
+        a 30 s run with 11-15 of the 16 rows taken)."""
         if entry.held_since is None:
             entry.held_since = self._now
         window = KV_PASS_SHARE * self.lanes[entry.timed_by or lane].config.ttft_target_s

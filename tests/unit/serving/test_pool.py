@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from scheduler_svc.config import PrefixRouting, Replica, TritonConfig
+from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.core.prefix import block_keys
 from scheduler_svc.core.routing import RouteClass
 from scheduler_svc.serving.backends.base import GenerationInput
-from scheduler_svc.serving.backends.pool import TritonPool
+from scheduler_svc.serving.backends.pool import TritonPool, slack_for
 
 HEADER = list(range(500, 564))
 
@@ -41,6 +44,25 @@ def test_a_shared_prefix_goes_back_to_its_endpoint_until_it_is_slack_ahead() -> 
     assert backends.router.reasons == {"session": 0, "prefix": 1, "load": 2}
     # Now both hold the header: the next one goes to the less loaded of the two.
     assert backends.pick(row([*HEADER, 4])) is other
+
+
+@pytest.mark.parametrize(
+    ("sequences", "configured", "slack"), [(256, None, 8), (16, None, 2), (256, 3, 3)]
+)
+def test_the_slack_follows_the_engines_rows_unless_configured(
+    sequences: int, configured: int | None, slack: int
+) -> None:
+    backends = pool(slack=configured)
+    engine = EngineProfile(Batching.INFLIGHT, 64, max_num_sequences=sequences)
+
+    async def first_profile() -> EngineProfile:
+        return engine
+
+    backends.first.profile = first_profile  # type: ignore[method-assign]
+    assert backends.router is not None and backends.router.slack == (configured or 2)
+    asyncio.run(backends.profile())  # no metrics URLs: the KV counts are left unread
+    assert backends.router.slack == slack
+    assert slack_for(64) == 2 and slack_for(1024) == 32
 
 
 def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
