@@ -11,7 +11,10 @@ arrivals go to:
 - `round-robin`: straight to the Tritons, each request to the next one (Triton's own client
   balancing: what the pool does without the sidecar);
 - `least-loaded`: one sidecar over the pool, `prefix_routing.enabled: false`;
-- `prefix`: one sidecar over the pool with its defaults (prefix and session affinity).
+- `prefix`: one sidecar over the pool with its defaults (prefix and session affinity; the
+  slack from the engine: 8 for the profile's 256 sequences);
+- `prefix-slackN` (with `--slack N`): the same with `prefix_routing.slack: N`.
+`--target` keeps only the targets named, `--rate` replaces the sweep's rates.
 Every target gets the same arrivals (and the same choice of shared prompt for each), with
 tokens drawn anew for each run, so no run finds an earlier run's cache.
 
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -115,18 +119,27 @@ def counters(pool: Pool) -> dict[str, float]:
     return out
 
 
-def sidecar(pool: Pool, workdir: Path, log_dir: Path, prefix: bool) -> tuple[Any, str]:
+def routing_of(target: str) -> dict[str, Any]:
+    """A sidecar target's `prefix_routing` section: `least-loaded` (off), `prefix` (the
+    defaults), `prefix-slackN` (the defaults with slack N)."""
+    if target == "least-loaded":
+        return {"enabled": False}
+    if target.startswith("prefix-slack"):
+        return {"enabled": True, "slack": int(target.removeprefix("prefix-slack"))}
+    return {"enabled": True}
+
+
+def sidecar(pool: Pool, workdir: Path, log_dir: Path, name: str) -> tuple[Any, str]:
     first, rest = pool.tritons[0], pool.tritons[1:]
     config = {
         "triton": {
             "engine_model": MODEL,
             "metrics_url": first.metrics_url,
             "replicas": [{"url": t.grpc_url, "metrics_url": t.metrics_url} for t in rest],
-            "prefix_routing": {"enabled": prefix},
+            "prefix_routing": routing_of(name),
         },
         "policy": E.time_keys_scaled(to_mapping(PolicyConfig()), pool.scale),
     }
-    name = "prefix" if prefix else "least-loaded"
     path = workdir / f"sidecar-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return start_sidecar(first.grpc_url, log_dir / f"sidecar-{name}.log", path)
@@ -286,13 +299,13 @@ def qps_at_slo(runs: list[dict[str, Any]], slo_s: float) -> dict[tuple[str, str]
 
 
 def search_qps(
-    pool: Pool, sidecars: dict[str, str], slo_s: float, seed: int, content: int
+    pool: Pool, targets: list[str], sidecars: dict[str, str], slo_s: float, seed: int, content: int
 ) -> tuple[list[dict[str, Any]], int]:
     """QPS at the P99 SLO of every target on the sessions workload, by bisection: each
     trial's arrivals seeded by its rate (the same for every target), its prompts new. Returns
     one row per target (its trials with them) and the next content seed."""
     rows: list[dict[str, Any]] = []
-    for target in TARGETS:
+    for target in targets:
         search = RateSearch(*SEARCH_RANGE, SEARCH_ITERATIONS)
         trials: list[dict[str, Any]] = []
         while (rate := search.next_rate()) is not None:
@@ -331,8 +344,17 @@ def main() -> None:
     parser.add_argument(
         "--no-search", action="store_true", help="skip the QPS-at-SLO bisection (sessions)"
     )
+    parser.add_argument(
+        "--slack", type=int, action="append", default=[], help="add a target prefix-slackN"
+    )
+    parser.add_argument("--target", action="append", help="run only these targets")
+    parser.add_argument("--rate", type=float, action="append", help="the sweep's rates, each")
     args = parser.parse_args()
     rates = {w: (20.0,) for w in W.WORKLOADS} if args.quick else RATES
+    if args.rate:
+        rates = {w: tuple(args.rate) for w in W.WORKLOADS}
+    targets = [*TARGETS, *(f"prefix-slack{n}" for n in args.slack)]
+    targets = [t for t in targets if not args.target or t in args.target]
     window_s = 2.0 if args.quick else WINDOW_S
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,14 +366,15 @@ def main() -> None:
     with ExitStack() as stack:
         pool = start_pool(stack, workdir / "repo", out, args.time_scale)
         sidecars: dict[str, str] = {}
-        for target, prefix in (("least-loaded", False), ("prefix", True)):
-            proc, address = sidecar(pool, workdir, out, prefix)
-            stack.callback(_stop, proc)
-            sidecars[target] = address
+        for target in targets:
+            if target != "round-robin":
+                proc, address = sidecar(pool, workdir, out, target)
+                stack.callback(_stop, proc)
+                sidecars[target] = address
         content = args.seed
         for workload in args.workload or W.WORKLOADS:
             for rate in rates[workload]:
-                for target in TARGETS:
+                for target in targets:
                     content += 1  # the same arrivals for every target, new prompts each run
                     requests = W.workload(workload, rate, window_s, args.seed, content)
                     started = time.monotonic()
@@ -370,10 +393,10 @@ def main() -> None:
                     )
         search: list[dict[str, Any]] = []
         if not (args.quick or args.no_search):
-            search, content = search_qps(pool, sidecars, slo_s, args.seed, content)
+            search, content = search_qps(pool, targets, sidecars, slo_s, args.seed, content)
     qps = qps_at_slo(runs, slo_s)
     results: dict[str, Any] = {
-        "command": "python benchmarks/prefix_routing.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/prefix_routing.py", *sys.argv[1:]]),
         "profile": PROFILE,
         "replicas": REPLICAS,
         "kv_tokens": KV_TOKENS,
