@@ -224,7 +224,10 @@ class _Call:
 
     async def _write(self, context: Context, message: Any) -> None:
         try:
-            await asyncio.wait_for(context.write(message), self.guard.write_timeout_s)
+            # A timeout scope, not wait_for: on Python 3.11 wait_for runs the write as a task of
+            # its own, a round through the event loop for every token streamed.
+            async with asyncio.timeout(self.guard.write_timeout_s):
+                await context.write(message)
         except TimeoutError:
             raise DeadlineError(
                 f"the client read nothing for {self.guard.write_timeout_s:g} s; call ended"

@@ -331,7 +331,8 @@ class HttpFront:
         write_timeout_s is cut off (its request is cancelled when the handler ends)."""
         limit = self.cfg.server.write_timeout_s
         try:
-            await asyncio.wait_for(response.write(data), limit)
+            async with asyncio.timeout(limit):  # no task per chunk, as wait_for makes on 3.11
+                await response.write(data)
         except TimeoutError:
             log.warning("slow reader cut off", path=request.path, write_timeout_s=limit)
             if request.transport is not None:
