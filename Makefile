@@ -10,7 +10,7 @@ TOOLS  := $(VENV)/.tools
 # engine), shellcheck (deploy/*.sh), prometheus (promtool checks the alert rules).
 APT_TOOLS := docker-compose shellcheck prometheus
 
-.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-flood bench-fairness bench-prefix bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
+.PHONY: run test lint typecheck unit integration bench bench-quick bench-kv bench-engine bench-sidecar bench-relay-floor bench-flood bench-fairness bench-prefix bench-http bench-core bench-agree bench-emulated bench-emulated-timing bench-deadline simulate simulate-kv sim-golden chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -114,6 +114,10 @@ bench-http: $(GEN) $(AIPERF_VENV)/.installed
 # The sidecar's overhead against Triton alone (a benchmark): figures for docs/sidecar.md.
 bench-sidecar: $(GEN)
 	$(BIN)/python benchmarks/sidecar_overhead.py
+
+# What any Python gRPC hop costs: the engine straight, a bare relay, the sidecar (issue 28 target 1).
+bench-relay-floor: $(GEN)
+	$(BIN)/python benchmarks/relay_floor.py
 
 # One tenant's flood of 120 KB prompts against another's 1,000-character ones (issue 29).
 bench-flood: $(GEN)
