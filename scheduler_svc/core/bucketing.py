@@ -33,6 +33,14 @@ from scheduler_svc.core.types import Request
 SPAN_SMOOTHING = 1 / 32
 
 
+def kv_prompt_tokens(request: Request) -> int:
+    """The prompt tokens a request's own KV blocks hold: all of them less those the engine is
+    expected to find cached (`Request.cached_tokens`, at most all but one: the engine always
+    feeds the last token). At least 1."""
+    prompt = max(1, request.prompt_tokens)
+    return prompt - min(max(0, request.cached_tokens), prompt - 1)
+
+
 @dataclass(eq=False)
 class Entry:
     """A queued request and what the policy decided about it so far."""
@@ -60,6 +68,11 @@ class Entry:
     @property
     def prompt_tokens(self) -> int:
         return max(1, self.request.prompt_tokens)
+
+    @property
+    def own_prompt_tokens(self) -> int:
+        """Its prompt tokens the KV pool must hold for it alone (`kv_prompt_tokens`)."""
+        return kv_prompt_tokens(self.request)
 
     @property
     def cost_tokens(self) -> int:

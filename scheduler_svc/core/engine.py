@@ -60,6 +60,9 @@ class EngineProfile:
     # lane targets and the prefill budget follow it.
     step_cost: StepCost | None = None
     time_scale: float = 1.0
+    # Whether the engine serves a prompt's leading blocks from its KV cache where it holds them
+    # (TensorRT-LLM's enable_kv_cache_reuse): shared blocks are held once, not per request.
+    kv_cache_reuse: bool = False
 
     def prefill_s(self, prompt_tokens: int) -> float | None:
         """An idle engine's time to first token for a prompt, where the cost is known."""

@@ -178,6 +178,7 @@ class _InFlight:
     prefilling: bool = False  # dispatched, no first token yet (counts against prefill shares)
     started_at: float = 0.0  # when it was dispatched
     timed_by: str = ""  # the lane whose first-token times it teaches ("": its own)
+    kv_prompt_tokens: int = 0  # its prompt tokens in its own KV blocks (the mirror's view)
 
 
 @dataclass(frozen=True)
@@ -733,7 +734,7 @@ class PolicyScheduler:
         order = sorted(bucket.members, key=lambda e: (not e.promoted, e.tag, e.seq))
         order = order[: max(0, limit)]
         needs = [self.need(e) for e in order]
-        return order[: self.mirror.admissible(needs, [e.prompt_tokens for e in order])]
+        return order[: self.mirror.admissible(needs, [e.own_prompt_tokens for e in order])]
 
     def _blocks(self, prompt_tokens: int, predicted: int, max_tokens: int) -> int:
         """Blocks a request reserves: for its predicted output, or for all of max_tokens where
@@ -742,8 +743,9 @@ class PolicyScheduler:
         return self.mirror.need(prompt_tokens, output)
 
     def need(self, entry: Entry) -> int:
-        """Blocks a queued request reserves at dispatch."""
-        return self._blocks(entry.prompt_tokens, entry.predicted_output, entry.max_tokens)
+        """Blocks a queued request reserves at dispatch: for its own prompt tokens (less those
+        the engine is expected to find cached, `Request.cached_tokens`) and its output."""
+        return self._blocks(entry.own_prompt_tokens, entry.predicted_output, entry.max_tokens)
 
     @property
     def _rows_in_flight(self) -> int:
@@ -773,7 +775,7 @@ class PolicyScheduler:
             rid = entry.request_id
             del self._queued[rid]
             self._queued_tokens[lane] -= entry.cost_tokens
-            self.mirror.reserve(rid, need, entry.prompt_tokens)
+            self.mirror.reserve(rid, need, entry.own_prompt_tokens)
             self._lane_rows[lane] += 1
             self._prefill_tokens[lane] += entry.prompt_tokens
             self._in_flight[rid] = _InFlight(
@@ -787,6 +789,7 @@ class PolicyScheduler:
                 prefilling=True,
                 started_at=self._now,
                 timed_by=entry.timed_by,
+                kv_prompt_tokens=entry.own_prompt_tokens,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -876,7 +879,7 @@ class PolicyScheduler:
             ):
                 open_lanes = {first} & open_lanes
                 continue
-            if not self.mirror.admissible([self.need(entry)], [entry.prompt_tokens]):
+            if not self.mirror.admissible([self.need(entry)], [entry.own_prompt_tokens]):
                 if self._may_pass(lane, entry):
                     open_lanes.discard(lane)
                     continue
@@ -1079,10 +1082,11 @@ class PolicyScheduler:
             flight.prefilling = False
             self._prefill_tokens[flight.lane] -= flight.prompt_tokens
             self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
-        used = flight.prompt_tokens + output_tokens
+        own = flight.kv_prompt_tokens or flight.prompt_tokens
+        used = own + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to
         # prompt + max_tokens): outputs past a high quantile mostly end soon after it.
-        grow_to = min(flight.prompt_tokens + flight.max_tokens, used + flight.predicted_output)
+        grow_to = min(own + flight.max_tokens, used + flight.predicted_output)
         self.mirror.progress(request_id, used, grow_to)
         if output_tokens > flight.predicted_output and not flight.mispredicted:
             flight.mispredicted = True

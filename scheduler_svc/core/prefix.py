@@ -164,22 +164,41 @@ class PrefixRouter:
         self._turn = 0
         self.reasons: dict[str, int] = {"session": 0, "prefix": 0, "load": 0}
 
+    def cached_tokens(
+        self, prompt: Sequence[int], session: str, replicas: Sequence[ReplicaLoad], now: float
+    ) -> int:
+        """The leading prompt tokens the replica `route` would choose now was sent lately
+        (its matched run of blocks), for the KV mirror's reservation; nothing is remembered."""
+        keys = block_keys(prompt, self.tokens_per_block)
+        matched = self.index.matched(keys, now)
+        if not matched:
+            return 0
+        replica, _ = choose(
+            replicas,
+            matched,
+            slack=self.slack,
+            min_blocks=self.min_blocks,
+            previous=self._previous(session, now),
+            turn=self._turn,
+        )
+        return matched.get(replica, 0) * self.tokens_per_block
+
+    def _previous(self, session: str, now: float) -> int | None:
+        """The session's last replica, while its entry is younger than the index's ttl."""
+        last = self._sessions.get(session) if session else None
+        return last[0] if last is not None and now - last[1] <= self.index.ttl_s else None
+
     def route(
         self, prompt: Sequence[int], session: str, replicas: Sequence[ReplicaLoad], now: float
     ) -> int:
         """Choose a replica for a prompt (and its session, "" for none); remember the choice."""
         keys = block_keys(prompt, self.tokens_per_block)
-        previous = None
-        if session:
-            last = self._sessions.get(session)
-            if last is not None and now - last[1] <= self.index.ttl_s:
-                previous = last[0]
         replica, why = choose(
             replicas,
             self.index.matched(keys, now),
             slack=self.slack,
             min_blocks=self.min_blocks,
-            previous=previous,
+            previous=self._previous(session, now),
             turn=self._turn,
         )
         self._turn += 1

@@ -70,6 +70,10 @@ class Request:
     queue_deadline: float | None = None
     # A lane the client pinned (by priority hint); None lets the policy pick by length.
     lane: str | None = None
+    # Leading prompt tokens the shell expects the engine to find in its KV cache (blocks it
+    # shares with requests it holds or served lately); the KV mirror reserves the rest. 0 when
+    # the engine does not reuse KV blocks or nothing is known.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

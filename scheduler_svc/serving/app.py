@@ -390,6 +390,9 @@ class Sidecar:
                 scheduler.max_in_flight = rows  # as many as the engine runs
 
             await self.loop.call(resize)
+        if isinstance(self.backend, TritonPool) and self.backend.reuses_kv:
+            # Prompts share cached blocks on the engine: the KV mirror reserves the rest only.
+            self.service.cached_tokens = self.backend.cached_tokens
         self.profile = profile
         log.info(
             "engine profile",
@@ -400,6 +403,7 @@ class Sidecar:
             max_num_sequences=profile.max_num_sequences,
             max_num_tokens=profile.max_num_tokens,
             kv_blocks=profile.kv_total_blocks,
+            kv_cache_reuse=profile.kv_cache_reuse,
         )
 
     def _publish_rollout(self, view: RolloutView) -> None:

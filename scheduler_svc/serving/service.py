@@ -19,7 +19,7 @@ import contextlib
 import os
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import structlog
 from tokenizers import Tokenizer
@@ -125,6 +125,9 @@ class GenerationService:
         # (configured, or discovered once Triton answers).
         self.engine_model = cfg.triton.engine_model or DEFAULT_ENGINE_MODEL
         self.draining = False  # Admin.Drain or SIGTERM: new requests are refused
+        # The prompt tokens the backend expects its engine to find cached (set by the app when
+        # the backend can tell: a pool with prefix routing over engines that reuse KV blocks).
+        self.cached_tokens: Callable[[GenerationInput], int] | None = None
         self.outcomes: Counter[str] = Counter()
         self.quotas = make_quotas(cfg.quotas)
         self._tokenize = TokenizerQueue(
@@ -301,15 +304,6 @@ class GenerationService:
         max_tokens: int,
     ) -> AsyncGenerator[Delta | Final, None]:
         queue_timeout = params.queue_timeout_s or self.cfg.queue.default_queue_timeout_s
-        request = Request(
-            request_id=run.internal_id,
-            prompt_tokens=len(prompt),
-            max_tokens=max_tokens,
-            urgency=params.urgency,
-            tenant=tenant,
-            queue_deadline=run.started + queue_timeout if queue_timeout else None,
-            lane=self._pinned_lane(params),
-        )
         row = GenerationInput(
             request_id=run.internal_id,
             prompt_ids=prompt,
@@ -326,6 +320,16 @@ class GenerationService:
                 session=params.session,
                 precision=params.precision,
             ),
+        )
+        request = Request(
+            request_id=run.internal_id,
+            prompt_tokens=len(prompt),
+            max_tokens=max_tokens,
+            urgency=params.urgency,
+            tenant=tenant,
+            queue_deadline=run.started + queue_timeout if queue_timeout else None,
+            lane=self._pinned_lane(params),
+            cached_tokens=self.cached_tokens(row) if self.cached_tokens is not None else 0,
         )
         remaining = self._remaining(params)
         deadline = run.started + remaining

@@ -94,6 +94,12 @@ def test_the_engine_profile_is_read_from_the_models_config() -> None:
     assert profile_from_config(config, "auto").context_chunking == "equal_progress"
     config.parameters["enable_chunked_context"].string_value = "false"
     assert profile_from_config(config, "auto").context_chunking is None
+    # KV block reuse: off unless the config says "true" (an unrendered template reads as off).
+    assert not profile.kv_cache_reuse
+    config.parameters["enable_kv_cache_reuse"].string_value = "${enable_kv_cache_reuse}"
+    assert not profile_from_config(config, "auto").kv_cache_reuse
+    config.parameters["enable_kv_cache_reuse"].string_value = "true"
+    assert profile_from_config(config, "auto").kv_cache_reuse
 
 
 def test_the_engine_profile_sets_the_batching_rules_unless_the_config_pins_them() -> None:

@@ -229,6 +229,7 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
     allocates_as_it_goes = policy is not None and policy.string_value == "max_utilization"
     chunked = config.parameters.get("enable_chunked_context")
     chunking = config.parameters.get("context_chunking_policy")
+    reuse = config.parameters.get("enable_kv_cache_reuse")  # off unless "true" (its default)
     # TensorRT-LLM's default policy is first_come_first_served; an unfilled template value
     # (`${...}`) reads as it.
     chunk_policy = (
@@ -247,6 +248,7 @@ def profile_from_config(config: model_config_pb2.ModelConfig, override: str) -> 
         context_chunking=(
             chunk_policy if chunked is not None and chunked.string_value.lower() == "true" else None
         ),
+        kv_cache_reuse=reuse is not None and reuse.string_value.lower() == "true",
         **_step_cost(config),
     )
 

@@ -66,6 +66,7 @@ class TritonPool:
             for url, metrics in pairs
         ]
         self._turn = 0
+        self.reuses_kv = False  # the engine's enable_kv_cache_reuse, once its profile is read
         routing = cfg.prefix_routing
         self.router = (
             PrefixRouter(
@@ -110,6 +111,7 @@ class TritonPool:
         as many at once as they do together. KV counts are the pool's, where readable. An
         unconfigured prefix slack is set from one endpoint's sequences (`slack_for`)."""
         first = await self.first.profile()
+        self.reuses_kv = first.kv_cache_reuse
         if self.router is not None and self.cfg.prefix_routing.slack is None:
             self.router.slack = slack_for(first.sequences())
         counts = await self.read_kv()
@@ -127,9 +129,8 @@ class TritonPool:
         without a router or a request the ready endpoint with the fewest requests in flight,
         then the most free KV blocks; ties go round robin."""
         if self.router is not None and request is not None:
-            loads = [ReplicaLoad(e.ready, e.in_flight, e.free_blocks) for e in self.endpoints]
             chosen = self.router.route(
-                request.prompt_ids, request.route.session, loads, time.monotonic()
+                request.prompt_ids, request.route.session, self._loads(), time.monotonic()
             )
             return self.endpoints[chosen]
         candidates = [e for e in self.endpoints if e.ready] or self.endpoints
@@ -141,6 +142,19 @@ class TritonPool:
             return (e.in_flight, -e.free_blocks, (self.endpoints.index(e) - turn) % n)
 
         return min(candidates, key=key)
+
+    def _loads(self) -> list[ReplicaLoad]:
+        return [ReplicaLoad(e.ready, e.in_flight, e.free_blocks) for e in self.endpoints]
+
+    def cached_tokens(self, request: GenerationInput) -> int:
+        """The prompt's leading tokens the endpoint `pick` would choose now was sent lately, so
+        likely holds cached (the policy's KV reservation leaves them out); 0 without prefix
+        routing or where the engine does not reuse KV blocks."""
+        if self.router is None or not self.reuses_kv:
+            return 0
+        return self.router.cached_tokens(
+            request.prompt_ids, request.route.session, self._loads(), time.monotonic()
+        )
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
         endpoint = self.pick(request)

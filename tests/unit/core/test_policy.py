@@ -547,6 +547,25 @@ def test_kv_admission_holds_a_batch_until_blocks_are_free_and_frees_them_after()
     assert "KV blocks" in verdict.message
 
 
+def test_a_request_whose_prefix_is_cached_reserves_blocks_for_the_rest_only() -> None:
+    """Sessions sharing a 2,000-token system prompt: the engine holds its blocks once, so the
+    mirror reserves each request's own tokens; without the hint the same pool takes fewer."""
+
+    def admitted(cached: int) -> tuple[int, dict[str, int]]:
+        policy = PolicyScheduler(PolicyConfig(kv=KvConfig(total_blocks=400, tokens_per_block=16)))
+        for i in range(6):  # 2,048 prompt tokens (128 blocks) + 48 of output (3 blocks) each
+            policy.submit(req(f"s{i}", 2048, max_tokens=48, cached_tokens=cached), 0.0)
+        return len(dispatched(policy.schedule(0.05))), policy.mirror.held()
+
+    alone, held = admitted(0)
+    assert alone == 2 and set(held.values()) == {131}
+    shared, held = admitted(2000)
+    assert shared == 6 and set(held.values()) == {6}  # 48 prompt + 48 output tokens
+    # A hint past the prompt still leaves the last token to the request itself.
+    _, held = admitted(10_000)
+    assert set(held.values()) == {4}  # 1 + 48 tokens
+
+
 def test_contiguous_mode_reserves_the_maximum_sequence_length() -> None:
     kv = KvConfig(KvMode.CONTIGUOUS, tokens_per_block=16, total_blocks=1024, max_seq_len=4096)
     policy = PolicyScheduler(PolicyConfig(kv=kv))
@@ -813,15 +832,30 @@ class PolicyMachine(RuleBasedStateMachine):
         tenant=st.sampled_from(["a", "b"]),
         deadline=st.none() | st.floats(0.0, 2.0),
         pin=st.none() | st.sampled_from(["hot", "cold"]),
+        cached=st.sampled_from([0, 0, 16, 1000, 4000]),  # the engine's cache, as the shell guessed
     )
     def submit(
-        self, prompt: int, max_tokens: int, tenant: str, deadline: float | None, pin: str | None
+        self,
+        prompt: int,
+        max_tokens: int,
+        tenant: str,
+        deadline: float | None,
+        pin: str | None,
+        cached: int,
     ) -> None:
         rid = f"r{self.n}"
         self.n += 1
         when = None if deadline is None else self.now + deadline
         queued_before = self.policy.stats().queued
-        request = Request(rid, prompt, max_tokens, tenant=tenant, queue_deadline=when, lane=pin)
+        request = Request(
+            rid,
+            prompt,
+            max_tokens,
+            tenant=tenant,
+            queue_deadline=when,
+            lane=pin,
+            cached_tokens=cached,
+        )
         verdict = self.policy.submit(request, self.now)
         if isinstance(verdict, Rejected):
             self.ends[rid] = "rejected"
@@ -932,7 +966,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 and prefilling > 0
                 and prefilling + entry.prompt_tokens > budget
             )
-            fits = mirror.admissible([policy.need(entry)], [entry.prompt_tokens]) == 1
+            fits = mirror.admissible([policy.need(entry)], [entry.own_prompt_tokens]) == 1
             assert held or not fits, f"{entry.request_id} could go"
             if held:  # held by the budget: the first lane's may still pass it
                 candidates = [q for q in candidates if q[2] == first] if lane != first else []
@@ -961,7 +995,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
         def fits(entry: Entry) -> bool:
             need = self.policy.need(entry)
-            fits_kv = mirror.admissible([need], [entry.prompt_tokens]) == 1
+            fits_kv = mirror.admissible([need], [entry.own_prompt_tokens]) == 1
             return fits_kv and self.rows_left() > 0 and slot
 
         overdue = []

@@ -74,6 +74,21 @@ def test_a_session_stays_on_its_replica_and_a_shared_prefix_follows_its_cache() 
     assert router.route(list(range(64)), "", busy, now=3.0) != first
 
 
+def test_the_cached_estimate_follows_the_replica_the_rule_would_choose() -> None:
+    """What the KV mirror is told a prompt finds cached: the run of blocks held by the replica
+    `route` would choose now (its session's, within the slack), remembering nothing."""
+    router = PrefixRouter(tokens_per_block=16, max_blocks=1000, ttl_s=60.0, slack=1)
+    pool = loads(0, 0, 0, 0)
+    first = router.route([*HEADER, 1], "s1", pool, now=0.0)
+    turn = [*HEADER, 1, *range(20)]  # 85 tokens: five full blocks, of which four were sent
+    assert router.cached_tokens(turn, "s1", pool, now=1.0) == 64
+    assert router.cached_tokens(list(range(64)), "", pool, now=1.0) == 0
+    assert router.reasons == {"session": 0, "prefix": 0, "load": 1}  # nothing was routed
+    busy = [ReplicaLoad(True, 2 if i == first else 0) for i in range(4)]
+    assert router.cached_tokens(turn, "s1", busy, now=1.0) == 0  # it would go elsewhere
+    assert router.cached_tokens(turn, "s1", pool, now=61.0) == 0  # past the ttl
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(2, 4),

@@ -65,6 +65,27 @@ def test_the_slack_follows_the_engines_rows_unless_configured(
     assert slack_for(64) == 2 and slack_for(1024) == 32
 
 
+def test_the_cached_prefix_estimate_is_what_the_chosen_endpoint_was_sent() -> None:
+    """For the KV mirror: the leading tokens the endpoint `pick` would choose holds, counted
+    only where the engine reuses KV blocks; estimating routes nothing."""
+    backends = pool(slack=1)
+    reuse = EngineProfile(Batching.INFLIGHT, 64, max_num_sequences=16, kv_cache_reuse=True)
+
+    async def first_profile() -> EngineProfile:
+        return reuse
+
+    backends.first.profile = first_profile  # type: ignore[method-assign]
+    first = backends.pick(row([*HEADER, 1]))  # 64 header tokens: 4 blocks sent to `first`
+    assert backends.cached_tokens(row([*HEADER, 2])) == 0  # the engine's reuse not known yet
+    asyncio.run(backends.profile())
+    assert backends.cached_tokens(row([*HEADER, 2])) == 64
+    assert backends.cached_tokens(row(list(range(64)))) == 0  # nothing of it was sent
+    assert backends.router is not None
+    assert backends.router.reasons == {"session": 0, "prefix": 0, "load": 1}
+    first.in_flight += 2  # beyond the slack: the next one would go elsewhere, uncached
+    assert backends.cached_tokens(row([*HEADER, 3])) == 0
+
+
 def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
     backends = pool(enabled=False)
     assert backends.router is None
