@@ -77,8 +77,8 @@ TARGETS = ("round-robin", "least-loaded", "prefix")
 # Offered rates (requests per emulated second) per workload.
 RATES = {"sessions": (50.0, 100.0), "fewshot": (100.0,), "control": (50.0,)}
 WINDOW_S = 4.0  # emulated seconds of arrivals (sessions' later turns follow for 6 s more)
-SEARCH_RANGE = (40.0, 200.0)  # requests per emulated second: QPS at the SLO, sessions
-SEARCH_ITERATIONS = 4  # halvings: a 10/s resolution
+SEARCH_RANGE = (40.0, 280.0)  # requests per emulated second: QPS at the SLO, sessions
+SEARCH_ITERATIONS = 4  # halvings: a 15/s resolution
 
 
 @dataclass
