@@ -1,10 +1,11 @@
 """A mirror of the backend's paged KV block pool, kept by reservations the policy makes.
 
-A dispatched request reserves blocks for its prompt plus its predicted output (paged mode) or for
-the model's maximum sequence length (contiguous mode, the source document's "before"). The
-backend's own counts (`observe`) reconcile the mirror: blocks the backend uses beyond what our
-requests hold are "external" (another client, or the backend's own overhead) and are not offered
-for admission.
+A dispatched request reserves blocks for its prompt (less the leading tokens the engine is
+expected to find cached: `Request.cached_tokens`, the policy's `need`) plus its predicted output
+(paged mode) or for the model's maximum sequence length (contiguous mode, the source document's
+"before"). The backend's own counts (`observe`) reconcile the mirror: blocks the backend uses
+beyond what our requests hold are "external" (another client, the backend's own overhead, or
+shared prefix blocks) and are not offered for admission.
 
 Two ways of reading reservations:
 - **Claims** (contiguous mode, or an engine that reserves prompt + max_tokens at admission,

@@ -19,6 +19,10 @@ The rule (`choose`), for one request over the pool's replicas:
    longest run of the prompt's leading blocks (at least `min_blocks`); else, as without prefix
    routing, the fewest requests in flight, then the most free KV blocks, then round robin.
 
+`PrefixRouter.cached_tokens` tells the KV mirror, before a request is routed, how many of its
+leading tokens the replica the rule would choose now was sent (the mirror reserves the rest
+where the engine reuses blocks); asking routes and remembers nothing.
+
 Invariants (checked by tests/unit/core/test_prefix.py): every choice is a candidate with at most
 `slack` more requests in flight than the least loaded candidate; the index never holds more
 than `max_blocks` keys, nor the session map more than `max_sessions` sessions; a replica is
