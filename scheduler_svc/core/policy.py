@@ -1082,7 +1082,7 @@ class PolicyScheduler:
             flight.prefilling = False
             self._prefill_tokens[flight.lane] -= flight.prompt_tokens
             self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
-        own = flight.kv_prompt_tokens or flight.prompt_tokens
+        own = flight.kv_prompt_tokens  # set for every primary row (`_release`)
         used = own + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to
         # prompt + max_tokens): outputs past a high quantile mostly end soon after it.
