@@ -44,10 +44,11 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   lane's request due first passes the fair head once under URGENT_SHARE of its target is left,
   where its tag is at most a typical request's span past that head's (`typical_span`).
 - Prefill budget: the later lanes' prompt tokens dispatched and not yet prefilled stay within
-  `prefill_budget_tokens` (a prompt longer than that goes alone), so a short prompt arriving
-  finds at most about one step of long-prompt work ahead of it; the shell derives the budget
-  from the engine's cost per prompt token (`prefill_budget_tokens()` in core/config.py). The
-  first lane's prompts are not budgeted: they pass a later lane held by the budget.
+  `prefill_budget_tokens` (a prompt longer than that goes alone; tokens the engine is expected
+  to find cached, `Request.cached_tokens`, cost no prefill and do not count), so a short prompt
+  arriving finds at most about one step of long-prompt work ahead of it; the shell derives the
+  budget from the engine's cost per prompt token (`prefill_budget_tokens()` in core/config.py).
+  The first lane's prompts are not budgeted: they pass a later lane held by the budget.
 - Starvation bound: a request is overtaken only by requests due before it, i.e. arriving less
   than (its lane's start budget - theirs, at most its target) after it, or by first-lane requests
   while the budget holds it, which lasts until the long prompts in the engine are prefilled, or,
@@ -175,7 +176,8 @@ class _InFlight:
     target: Target
     batch_id: int = 0
     mispredicted: bool = False
-    prefilling: bool = False  # dispatched, no first token yet (counts against prefill shares)
+    prefilling: bool = False  # dispatched, no first token yet (its own prompt tokens count
+    # against the prefill budget: those the engine finds cached cost it no prefill)
     started_at: float = 0.0  # when it was dispatched
     timed_by: str = ""  # the lane whose first-token times it teaches ("": its own)
     kv_prompt_tokens: int = 0  # its prompt tokens in its own KV blocks (the mirror's view)
@@ -777,7 +779,7 @@ class PolicyScheduler:
             self._queued_tokens[lane] -= entry.cost_tokens
             self.mirror.reserve(rid, need, entry.own_prompt_tokens)
             self._lane_rows[lane] += 1
-            self._prefill_tokens[lane] += entry.prompt_tokens
+            self._prefill_tokens[lane] += entry.own_prompt_tokens
             self._in_flight[rid] = _InFlight(
                 lane,
                 entry.request.tenant,
@@ -875,7 +877,7 @@ class PolicyScheduler:
                 budgeted
                 and budget is not None
                 and long_prefill
-                and long_prefill + entry.prompt_tokens > budget
+                and long_prefill + entry.own_prompt_tokens > budget
             ):
                 open_lanes = {first} & open_lanes
                 continue
@@ -886,7 +888,7 @@ class PolicyScheduler:
                 return
             self._release(lane, [entry], out)
             if budgeted:
-                long_prefill += entry.prompt_tokens
+                long_prefill += entry.own_prompt_tokens
 
     @property
     def rows_kept(self) -> int:
@@ -1064,7 +1066,7 @@ class PolicyScheduler:
             self.mirror.release(request_id)
             self._lane_rows[flight.lane] -= 1
             if flight.prefilling:
-                self._prefill_tokens[flight.lane] -= flight.prompt_tokens
+                self._prefill_tokens[flight.lane] -= flight.kv_prompt_tokens
             left = self._batch_rows[flight.batch_id] - 1
             if left:
                 self._batch_rows[flight.batch_id] = left
@@ -1080,7 +1082,7 @@ class PolicyScheduler:
             return
         if flight.prefilling and output_tokens > 0:
             flight.prefilling = False
-            self._prefill_tokens[flight.lane] -= flight.prompt_tokens
+            self._prefill_tokens[flight.lane] -= flight.kv_prompt_tokens
             self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
         own = flight.kv_prompt_tokens  # set for every primary row (`_release`)
         used = own + output_tokens

@@ -395,6 +395,25 @@ def test_the_prefill_budget_holds_later_lanes_and_lets_the_first_pass() -> None:
     assert dispatched(policy.schedule(0.05)) == ["w2"]
 
 
+def test_the_prefill_budget_counts_only_the_prompt_tokens_the_engine_must_prefill() -> None:
+    policy = _in_flight(64, budget=1000)
+    # Three turns of chat sessions, 2,100-token prompts of which the engine holds 2,000 cached
+    # (their shared system prompt): 100 tokens each to prefill, 300 in all, within the budget.
+    for i in range(3):
+        policy.submit(req(f"turn{i}", 2100, cached_tokens=2000), 0.01 * i)
+    assert dispatched(policy.schedule(0.03)) == ["turn0", "turn1", "turn2"]
+    assert policy._prefill_tokens["cold"] == 300
+    # The same prompts with nothing cached: the first goes alone, the others wait for its prefill.
+    policy.submit(req("miss0", 2100), 0.04)
+    policy.submit(req("miss1", 2100), 0.04)
+    assert dispatched(policy.schedule(0.04)) == []  # 300 + 2,100 would be over it
+    for i in range(3):
+        policy.on_progress(f"turn{i}", 1, 0.05)
+    assert dispatched(policy.schedule(0.05)) == ["miss0"]
+    policy.on_progress("miss0", 1, 0.06)
+    assert dispatched(policy.schedule(0.06)) == ["miss1"]
+
+
 def test_a_hot_request_past_its_target_is_answered_at_once_not_sent_down() -> None:
     policy = _in_flight(1)
     policy.submit(req("run", 100), 0.0)
@@ -1111,7 +1130,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 tags = [e.tag for e in entries.values()]
                 assert tags == sorted(tags), f"{tenant}'s requests out of arrival order"
             assert policy._prefill_tokens[name] == sum(
-                f.prompt_tokens
+                f.kv_prompt_tokens
                 for f in policy._in_flight.values()
                 if f.lane == name and f.prefilling and f.target is Target.PRIMARY
             )
