@@ -1,6 +1,7 @@
 """Predictive admission: how long a request would wait, from the rate its lane really drains.
 
-Each lane learns its drain rate online: tokens (prompt + output) of the lane's requests that
+Each lane learns its drain rate online: tokens (prompt, less what the engine was expected to
+find cached, + output: a request's work, `Entry.cost_tokens`) of the lane's requests that
 completed, per second of the lane's *busy* time, that is time when the lane had requests
 waiting in the sidecar while the engine ran others (the engine, not the arrivals, set the pace
 then; an idle lane's completions say nothing of what it could drain). Both sums decay with

@@ -76,7 +76,10 @@ class Entry:
 
     @property
     def cost_tokens(self) -> int:
-        return self.prompt_tokens + self.predicted_output
+        """Its work: the prompt tokens the engine must prefill (`own_prompt_tokens`: a prefix
+        the engine is expected to find cached costs it none) and its predicted output. Fair
+        tags, queued work and the drain rate all count it this way."""
+        return self.own_prompt_tokens + self.predicted_output
 
     @property
     def tenant(self) -> str:

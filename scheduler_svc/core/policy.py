@@ -1045,7 +1045,7 @@ class PolicyScheduler:
         if flight is not None and flight.target is Target.PRIMARY:
             # Where the interval that just ended was busy, the engine set the pace, so what
             # completed counts towards the rate its lane (and the engine) drains.
-            used = flight.prompt_tokens + (output_tokens or 0)
+            used = flight.kv_prompt_tokens + (output_tokens or 0)  # as `Entry.cost_tokens`
             for drain, busy in (
                 (self.drain[flight.lane], self._busy(flight.lane)),
                 (self.pooled_drain, self._busy(None)),

@@ -79,6 +79,17 @@ def test_a_quiet_tenant_passes_a_noisy_tenants_backlog_in_the_same_lane() -> Non
     assert "q0" not in _serve(fifo, 0.01, 4)
 
 
+def test_a_tenants_work_counts_only_the_prompt_tokens_the_engine_must_prefill() -> None:
+    # Two tenants backlogged with 2,100-token prompts; the engine holds 2,000 of one tenant's
+    # cached (its shared history): that tenant's requests cost the engine 100 prompt tokens
+    # each, so three of them go in the time one of the other's does.
+    policy = _engine(1)
+    for i in range(3):
+        policy.submit(req(f"w{i}", 2100, "whole"), 0.0)
+        policy.submit(replace(req(f"c{i}", 2100, "cached"), cached_tokens=2000), 0.0)
+    assert _serve(policy, 0.01, 6)[:5] == ["w0", "c0", "c1", "c2", "w1"]
+
+
 def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
     """Deadline feasibility first: within a lane the request due first passes the fair head
     once under a quarter of its target is left (not before), where its tenant is at most one
