@@ -21,8 +21,8 @@ still make theirs (the bench measured it: goodput fell 1.4-5x when such arrivals
 lane's action, client deadlines, aging), settles KV growth owed to requests that outran their
 prediction, dispatches buckets holding promoted requests oldest-first (if one cannot fit, nothing
 else goes: the freed capacity is kept for it), and finally shares what is left between lanes by
-deficit round robin on tokens (prompt + predicted output), work-conserving: a lane with nothing
-ready lends its share (static engines; an in-flight engine goes by deadline, below).
+deficit round robin on tokens (a request's work, `Entry.cost_tokens`), work-conserving: a lane
+with nothing ready lends its share (static engines; an in-flight engine goes by deadline, below).
 On a static engine, buckets wait to fill: a bucket goes whole (up to its lane's max batch)
 once the KV mirror and the backend's sequence limit can hold it, in part only when nothing is
 running or when it holds a promoted request; with `max_batches_in_flight` (as many as the
