@@ -93,7 +93,7 @@ from enum import StrEnum
 
 from scheduler_svc.core.admission import DrainRate, FirstToken
 from scheduler_svc.core.breaker import Breaker
-from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue, root_tenant
+from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue, kv_prompt_tokens, root_tenant
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
 from scheduler_svc.core.kv import BlockMirror
 from scheduler_svc.core.predict import OutputPredictor
@@ -170,17 +170,17 @@ class _TimerKind(StrEnum):
 class _InFlight:
     lane: str
     tenant: str
-    prompt_tokens: int
+    # Its prompt tokens less those the engine is expected to find cached
+    # (`Entry.own_prompt_tokens`): what it prefills, holds in its own KV blocks and counts as work.
+    own_prompt_tokens: int
     max_tokens: int
     predicted_output: int
     target: Target
     batch_id: int = 0
     mispredicted: bool = False
-    prefilling: bool = False  # dispatched, no first token yet (its own prompt tokens count
-    # against the prefill budget: those the engine finds cached cost it no prefill)
+    prefilling: bool = False  # dispatched, no first token yet (counts against the prefill budget)
     started_at: float = 0.0  # when it was dispatched
     timed_by: str = ""  # the lane whose first-token times it teaches ("": its own)
-    kv_prompt_tokens: int = 0  # its prompt tokens in its own KV blocks (the mirror's view)
 
 
 @dataclass(frozen=True)
@@ -534,7 +534,7 @@ class PolicyScheduler:
                 f"needs {blocks} KV blocks; the backend has {self.mirror.total_blocks} in all",
             )
         self._in_flight[rid] = _InFlight(
-            lane, request.tenant, request.prompt_tokens, max_tokens, predicted, Target.ELASTIC
+            lane, request.tenant, kv_prompt_tokens(request), max_tokens, predicted, Target.ELASTIC
         )
         self._outbox.append(self._single(rid, lane, request.prompt_tokens, Target.ELASTIC))
         self.counters[PolicyEvent.ELASTIC] += 1
@@ -719,7 +719,12 @@ class PolicyScheduler:
     def _send_elsewhere(self, lane: str, entry: Entry, target: Target, out: list[Decision]) -> None:
         req = entry.request
         self._in_flight[entry.request_id] = _InFlight(
-            lane, req.tenant, entry.prompt_tokens, entry.max_tokens, entry.predicted_output, target
+            lane,
+            req.tenant,
+            entry.own_prompt_tokens,
+            entry.max_tokens,
+            entry.predicted_output,
+            target,
         )
         out.append(self._single(entry.request_id, lane, entry.prompt_tokens, target))
 
@@ -783,7 +788,7 @@ class PolicyScheduler:
             self._in_flight[rid] = _InFlight(
                 lane,
                 entry.request.tenant,
-                entry.prompt_tokens,
+                entry.own_prompt_tokens,
                 entry.max_tokens,
                 entry.predicted_output,
                 Target.PRIMARY,
@@ -791,7 +796,6 @@ class PolicyScheduler:
                 prefilling=True,
                 started_at=self._now,
                 timed_by=entry.timed_by,
-                kv_prompt_tokens=entry.own_prompt_tokens,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -1045,7 +1049,7 @@ class PolicyScheduler:
         if flight is not None and flight.target is Target.PRIMARY:
             # Where the interval that just ended was busy, the engine set the pace, so what
             # completed counts towards the rate its lane (and the engine) drains.
-            used = flight.kv_prompt_tokens + (output_tokens or 0)  # as `Entry.cost_tokens`
+            used = flight.own_prompt_tokens + (output_tokens or 0)  # as `Entry.cost_tokens`
             for drain, busy in (
                 (self.drain[flight.lane], self._busy(flight.lane)),
                 (self.pooled_drain, self._busy(None)),
@@ -1066,7 +1070,7 @@ class PolicyScheduler:
             self.mirror.release(request_id)
             self._lane_rows[flight.lane] -= 1
             if flight.prefilling:
-                self._prefill_tokens[flight.lane] -= flight.kv_prompt_tokens
+                self._prefill_tokens[flight.lane] -= flight.own_prompt_tokens
             left = self._batch_rows[flight.batch_id] - 1
             if left:
                 self._batch_rows[flight.batch_id] = left
@@ -1082,9 +1086,9 @@ class PolicyScheduler:
             return
         if flight.prefilling and output_tokens > 0:
             flight.prefilling = False
-            self._prefill_tokens[flight.lane] -= flight.kv_prompt_tokens
+            self._prefill_tokens[flight.lane] -= flight.own_prompt_tokens
             self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
-        own = flight.kv_prompt_tokens  # set for every primary row (`_release`)
+        own = flight.own_prompt_tokens
         used = own + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to
         # prompt + max_tokens): outputs past a high quantile mostly end soon after it.

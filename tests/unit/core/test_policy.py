@@ -1130,7 +1130,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 tags = [e.tag for e in entries.values()]
                 assert tags == sorted(tags), f"{tenant}'s requests out of arrival order"
             assert policy._prefill_tokens[name] == sum(
-                f.kv_prompt_tokens
+                f.own_prompt_tokens
                 for f in policy._in_flight.values()
                 if f.lane == name and f.prefilling and f.target is Target.PRIMARY
             )
