@@ -678,6 +678,7 @@ def _add_bench_command(commands: Any) -> None:
             "budget",
             "overload",
             "guard",
+            "prefill",
             "agree",
             "document",
         ),
@@ -686,7 +687,8 @@ def _add_bench_command(commands: Any) -> None:
         "slo (QPS at the P99 SLO on the static engine, longer trials), kv (QPS at the P99 SLO "
         "under KV pressure), deadline (issue 28's targets), budget (make run's sidecar against "
         "a pinned two-step prefill budget), overload (issue 28's overload and 8:1 at 0.9x, twice), "
-        "guard (make run's sidecar against the same without its row guard, mixed and the burst); "
+        "guard (make run's sidecar against the same without its row guard, mixed and the burst), "
+        "prefill (the same without its prefill guard, mixed and 8:1); "
         "with --engine-profile: agree (the default: the "
         "simulator against the live stack) or document (the source document's table on the "
         "profile)",

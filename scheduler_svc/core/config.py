@@ -334,6 +334,12 @@ class PolicyConfig:
     # first token) stay within this (a longer prompt goes alone); the first lane's are not
     # counted. The shell derives it from the engine (`prefill_budget_tokens()`); None: no bound.
     prefill_budget_tokens: int | None = None
+    # In-flight engines, the prefill guard: for one drain half-life (`admission.half_life_s`)
+    # after a first-lane request's first token came later than its target while more later-lane
+    # prompts than this were in their context phase beside it, at most this many later-lane
+    # prompts are (the engine shares a step's prompt tokens between the prompts it prefills, so
+    # each long one beside a short prompt slows that prompt's prefill). None: no guard.
+    prefill_guard_slots: int | None = 1
 
     def __post_init__(self) -> None:
         _check(len(self.lanes) >= 1, "lanes", "need at least one lane")
@@ -373,6 +379,11 @@ class PolicyConfig:
             self.prefill_budget_tokens is None or 1 <= self.prefill_budget_tokens <= 1 << 24,
             "prefill_budget_tokens",
             "must be in [1, 2**24] or null",
+        )
+        _check(
+            self.prefill_guard_slots is None or 1 <= self.prefill_guard_slots <= 4096,
+            "prefill_guard_slots",
+            "must be in [1, 4096] or null",
         )
 
     def lane(self, name: str) -> LaneConfig:

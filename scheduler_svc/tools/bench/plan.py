@@ -43,6 +43,7 @@ TARGET_NAMES = {
     "policy_budget_4steps": "make run's sidecar, prefill budget 4 steps",
     "policy_budget_2steps": "make run's sidecar, prefill budget 2 steps",
     "policy_no_row_guard": "make run's sidecar, no row guard",
+    "policy_no_prefill_guard": "make run's sidecar, no prefill guard",
 }
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
@@ -54,14 +55,16 @@ DEFAULTS_TARGET = "policy_defaults"
 # default by the plan that asks: its prefill budget (`policy.prefill_budget_tokens`) pinned to
 # two of the CPU engine's 256-token steps, the default before it followed the engine's chunking
 # policy (none under equal_progress: the budget plan); no row guard (the first lane's share so
-# small that it keeps no row: the guard plan).
+# small that it keeps no row: the guard plan); no prefill guard (the prefill plan).
 BUDGET_TARGET = "policy_budget_2steps"
 NO_GUARD_TARGET = "policy_no_row_guard"
+NO_PREFILL_GUARD_TARGET = "policy_no_prefill_guard"
 VARIANT_TARGETS: dict[str, dict[str, Any]] = {
     BUDGET_TARGET: {"prefill_budget_tokens": 512},
     NO_GUARD_TARGET: {
         "lanes": [{"name": "hot", "share": 0.001}, {"name": "warm"}, {"name": "cold"}]
     },
+    NO_PREFILL_GUARD_TARGET: {"prefill_guard_slots": None},
 }
 # QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
 # MAX_REFUSED of its requests was refused or failed (core/slo.py: the rule everything uses).
@@ -330,7 +333,24 @@ GUARD = replace(
     step_targets=("triton", DEFAULTS_TARGET, NO_GUARD_TARGET),
     warmup_requests=32,
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD, GUARD)}
+# The prefill guard's worth (issue 28, target 5, and target 2 below saturation): make run's
+# sidecar against the same without the guard, and Triton alone, on the same arrivals; mixed past
+# saturation twice, both mixes below it (~16 min).
+PREFILL = replace(
+    BUDGET,
+    name="prefill",
+    steps=(
+        *_grid("inflight", ["mixed"], [1.2]),
+        *_grid("inflight", ["spread_8to1"], [0.9]),
+        *_grid("inflight", ["mixed"], [0.6]),
+        *_grid("inflight", ["mixed"], [1.2]),
+        *_grid("inflight", ["spread_8to1"], [0.6]),
+        *_grid("inflight", ["mixed"], [0.9]),
+    ),
+    step_targets=("triton", DEFAULTS_TARGET, NO_PREFILL_GUARD_TARGET),
+    warmup_requests=32,
+)
+PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD, GUARD, PREFILL)}
 
 
 def lane_of(prompt_tokens: int) -> str:
