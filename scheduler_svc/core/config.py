@@ -335,8 +335,8 @@ class PolicyConfig:
     # counted. The shell derives it from the engine (`prefill_budget_tokens()`); None: no bound.
     prefill_budget_tokens: int | None = None
     # In-flight engines, the prefill guard: for one drain half-life (`admission.half_life_s`)
-    # after a first-lane request's first token came later than its target while more later-lane
-    # prompts than this were in their context phase beside it, at most this many later-lane
+    # after a first-lane request's first token came later than its target while more last-lane
+    # prompts than this were in their context phase beside it, at most this many last-lane
     # prompts are (the engine shares a step's prompt tokens between the prompts it prefills, so
     # each long one beside a short prompt slows that prompt's prefill). None: no guard.
     prefill_guard_slots: int | None = 1

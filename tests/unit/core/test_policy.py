@@ -378,7 +378,7 @@ def test_once_a_hot_request_misses_for_want_of_a_row_the_cold_lane_leaves_rows_t
     assert policy.rows_kept == 0 and dispatched(policy.schedule(10.3)) == ["c16"]
 
 
-def test_once_a_hot_first_token_is_late_beside_long_prompts_they_prefill_one_at_a_time() -> None:
+def test_once_a_hot_first_token_is_late_beside_cold_prompts_they_prefill_one_at_a_time() -> None:
     policy = _in_flight(16)
     assert policy.prefill_slots is None  # any number prefill at once until a miss
     for i in range(3):
@@ -389,20 +389,19 @@ def test_once_a_hot_first_token_is_late_beside_long_prompts_they_prefill_one_at_
     assert policy.prefill_slots is None
     policy.submit(req("h1", 250), 0.3)
     assert dispatched(policy.schedule(0.3)) == ["h1"]
-    policy.on_progress("h1", 1, 0.7)  # 400 ms, three long prompts prefilling beside it
+    policy.on_progress("h1", 1, 0.7)  # 400 ms, three cold prompts prefilling beside it
     assert policy.prefill_slots == 1
     assert dict(policy.stats().counters)["prefill_guard"] == 1  # exported: when it trips
     policy.submit(req("c3", 2000), 0.8)
     policy.submit(req("w0", 500), 0.8)
     policy.submit(req("h2", 100), 0.8)
-    assert dispatched(policy.schedule(0.8)) == ["h2"]  # the long ones wait for a slot
+    # The cold prompt waits for a slot; the warm and hot ones are not held by the guard.
+    assert sorted(dispatched(policy.schedule(0.8))) == ["h2", "w0"]
     policy.on_progress("c0", 1, 0.9)
     policy.on_progress("c1", 1, 0.9)
     assert dispatched(policy.schedule(0.9)) == []  # c2 still prefills: one is the guard's
     policy.on_progress("c2", 1, 1.0)
-    assert dispatched(policy.schedule(1.0)) == ["w0"]  # then one, due first
-    policy.on_progress("w0", 1, 1.1)
-    assert dispatched(policy.schedule(1.1)) == ["c3"]
+    assert dispatched(policy.schedule(1.0)) == ["c3"]
     # One drain half-life (10 s) after the miss, any number prefill at once again.
     policy.on_progress("c3", 1, 10.6)
     policy.submit(req("c4", 2000), 10.8)
@@ -411,13 +410,20 @@ def test_once_a_hot_first_token_is_late_beside_long_prompts_they_prefill_one_at_
     assert dispatched(policy.schedule(10.8)) == ["c4", "c5"]
 
 
-def test_a_late_hot_first_token_with_one_long_prompt_beside_it_leaves_the_guard_off() -> None:
+def test_a_late_hot_first_token_beside_one_cold_prompt_or_warm_ones_leaves_the_guard_off() -> None:
     policy = _in_flight(16)
     policy.submit(req("c0", 2000), 0.0)
     policy.submit(req("h0", 250), 0.0)
     policy.schedule(0.0)
     policy.on_progress("h0", 1, 0.4)  # late, but one long prompt is what the guard allows
     assert policy.prefill_slots is None
+    warm = _in_flight(16)
+    for i in range(3):
+        warm.submit(req(f"w{i}", 800), 0.0)
+    warm.submit(req("h0", 250), 0.0)
+    warm.schedule(0.0)
+    warm.on_progress("h0", 1, 0.4)  # late beside warm prompts: the guard holds only cold ones
+    assert warm.prefill_slots is None
     off = _in_flight(16)
     off.config = replace(off.config, prefill_guard_slots=None)
     for i in range(3):
@@ -994,16 +1000,17 @@ class PolicyMachine(RuleBasedStateMachine):
     def check_deadline_order(self) -> None:
         """Work-conserving in deadline order: after a decision, the queued request due first
         could not have gone (no free sequence, or the KV pool refuses it, or, for a later
-        lane, the prefill budget or the prefill guard holds it), and neither could the first
-        lane's."""
+        lane, the prefill budget holds it, or, for the last, the row or prefill guard), and
+        neither could the first lane's."""
         policy, mirror = self.policy, self.policy.mirror
         first = self.config.lanes[0].name
         budget = self.config.prefill_budget_tokens
         prefilling = sum(n for lane, n in policy._prefill_tokens.items() if lane != first)
+        last = self.config.lanes[-1].name
         long_rows = sum(
             1
             for f in policy._in_flight.values()
-            if f.target is Target.PRIMARY and f.prefilling and f.lane != first
+            if f.target is Target.PRIMARY and f.prefilling and f.lane == last != first
         )
         slots = policy.prefill_slots
         queued = [(e.deadline, e.seq, lane, e) for lane, e in policy._queued.values()]
@@ -1031,18 +1038,16 @@ class PolicyMachine(RuleBasedStateMachine):
                 entry = due if urgent and close else fair
             if full:
                 return  # held by rows: the request due first keeps the row that frees
-            last = self.config.lanes[-1].name
-            if lane == last != first and self.rows_left() <= policy.rows_kept:
-                # The row guard holds the last lane alone: the others may still go.
+            guarded = slots is not None and long_rows >= slots
+            if lane == last != first and (self.rows_left() <= policy.rows_kept or guarded):
+                # The row or prefill guard holds the last lane alone: the others may still go.
                 candidates = [q for q in candidates if q[2] != lane]
                 continue
-            held = lane != first and (
-                (slots is not None and long_rows >= slots)
-                or (
-                    budget is not None
-                    and prefilling > 0
-                    and prefilling + entry.prompt_tokens > budget
-                )
+            held = (
+                lane != first
+                and budget is not None
+                and prefilling > 0
+                and prefilling + entry.prompt_tokens > budget
             )
             fits = mirror.admissible([policy.need(entry)], [entry.own_prompt_tokens]) == 1
             assert held or not fits, f"{entry.request_id} could go"
