@@ -58,9 +58,9 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   by requests still within theirs until it has waited its lane's aging bound (`_yields`). The
   row guard (`rows_kept`) keeps the last lane to the rows outside the first lane's share for a
   drain half-life after a first-lane request missed its start for want of a row; the prefill
-  guard (`prefill_slots`) keeps the last lane to one prompt in its context phase for a drain
-  half-life after a first-lane first token came past its target beside more of them (a last-lane
-  request then waits until that prompt's first token).
+  guard (`prefill_slots`) keeps the last lane to `prefill_guard_slots` (1) prompts in their
+  context phase for a drain half-life after a first-lane first token came past its target
+  beside more of them (a last-lane request then waits until one of them has its first token).
 - Admission: refuse at arrival only what is predicted to start past what its lane allows
   (`allowed_wait`) after the work due before it (on the first lane: its own lane's), at the
   engine's drain rate. A lane's timeout action fires at its start budget; a hot request past it
@@ -83,8 +83,7 @@ Invariants (tests/unit/core/test_policy.py's state machine):
 - in-flight engines: no dispatch leaves a queued request that was due earlier and could have
   gone (rows, KV; for a later lane, the budget; for the last, the row and prefill guards;
   another lane's, past one the KV pool could not take within its pass window); the later lanes'
-  unprefilled prompt tokens
-  exceed the budget only by one prompt sent alone.
+  unprefilled prompt tokens exceed the budget only by one prompt sent alone.
 """
 
 from __future__ import annotations

@@ -262,6 +262,28 @@ def test_the_guard_plan_runs_make_runs_sidecar_beside_the_same_without_its_row_g
     assert kept == {bp.DEFAULTS_TARGET: 6, bp.NO_GUARD_TARGET: 0}
 
 
+def test_the_prefill_plan_runs_make_runs_sidecar_beside_the_same_without_its_prefill_guard() -> (
+    None
+):
+    from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
+
+    plan = bp.PLANS["prefill"]
+    assert {plan.targets(step) for step in plan.steps} == {
+        ("triton", bp.DEFAULTS_TARGET, bp.NO_PREFILL_GUARD_TARGET)
+    }
+    assert {step.mix for step in plan.steps} == {"mixed", "spread_8to1"}
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    guarded, plain = (
+        SidecarConfig.model_validate(
+            live.sidecar_config("inflight", target, "http://m", slo)
+        ).policy_config()
+        for target in (bp.DEFAULTS_TARGET, bp.NO_PREFILL_GUARD_TARGET)
+    )
+    # The same policy but for the guard.
+    assert guarded.prefill_guard_slots == 1 and plain.prefill_guard_slots is None
+    assert replace(plain, prefill_guard_slots=1) == guarded
+
+
 def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
     results = _results()
     for r in results["runs"]:
