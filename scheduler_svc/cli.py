@@ -238,16 +238,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from scheduler_svc.tools.bench import plan, run  # noqa: PLC0415 - only this command needs it
+    from scheduler_svc.tools.bench import plans, run  # noqa: PLC0415 - only this command needs it
 
     if args.engine_profile:
         return _bench_emulated(args)
     args.plan = args.plan or "full"
-    if args.plan not in plan.PLANS:
+    if args.plan not in plans.PLANS:
         raise ConfigError(
-            f"--plan {args.plan} needs --engine-profile (CPU plans: full, slo, kv, deadline)"
+            f"--plan {args.plan} needs --engine-profile (CPU plans: {', '.join(plans.PLANS)})"
         )
-    chosen = plan.QUICK if args.quick else plan.PLANS[args.plan]
+    chosen = plans.QUICK if args.quick else plans.PLANS[args.plan]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out_dir = Path(args.out) if args.out else Path("results") / "bench" / f"{chosen.name}-{stamp}"
     command = "scheduler-svc bench" + (" --quick" if args.quick else f" --plan {args.plan}")

@@ -184,48 +184,6 @@ class KvConfig:
         _check(0 <= self.reserve_fraction <= 0.5, "kv.reserve_fraction", "must be in [0, 0.5]")
 
 
-# The share of the tightest lane's TTFT target one step's long-prompt work may take on an
-# in-flight engine: a short prompt arriving waits for the step running and then its own, so
-# two such steps stay well inside its target.
-PREFILL_SHARE_OF_TARGET = 0.25
-
-# TensorRT-LLM's context_chunking_policy under which a step is shared equally between prompts.
-EQUAL_PROGRESS = "equal_progress"
-
-
-def prefill_budget_tokens(
-    tightest_target_s: float,
-    prompt_token_s: float | None,
-    max_num_tokens: int | None,
-    chunking: str | None = None,
-) -> int | None:
-    """The prompt tokens of later lanes an in-flight engine may hold unprefilled: what costs
-    PREFILL_SHARE_OF_TARGET of the tightest lane's target where the engine's cost per prompt
-    token is known (at most two of its steps' max_num_tokens), else two steps' max_num_tokens
-    (one the engine runs, one ready for the next); None where neither is known.
-
-    An engine that chunks prompts by `equal_progress` (`chunking`, TensorRT-LLM's
-    context_chunking_policy) gives every prompt in its context phase a share of each step and
-    takes at most max_num_tokens a step, so a short prompt arriving is in the next step whatever
-    long prompts it holds: the engine bounds the long work ahead of it by itself. There a budget
-    is kept only where one step's max_num_tokens costs more than the share (a large step, e.g.
-    8,192 tokens on a GPU), and is None where the cost is unknown or a step fits the share; a
-    budget there would only serialize the later lanes' prompts (measured on the CPU engine:
-    `bench --plan budget`, docs/benchmarks.md). Under first_come_first_served a prompt waits for
-    every prompt ahead of it, and the budget is what bounds that wait."""
-    steps = 2 * max_num_tokens if max_num_tokens else None
-    tokens = None
-    if prompt_token_s is not None and prompt_token_s > 0:
-        tokens = max(1, int(PREFILL_SHARE_OF_TARGET * tightest_target_s / prompt_token_s))
-    if chunking == EQUAL_PROGRESS:
-        if tokens is None or max_num_tokens is None or tokens >= max_num_tokens:
-            return None
-        return tokens
-    if tokens is None:
-        return steps
-    return tokens if steps is None else min(tokens, steps)
-
-
 # The output quantile reserved in front of an engine that allocates KV as tokens come
 # (TensorRT-LLM's max_utilization), where the config does not choose one: many rows' outputs sum
 # close to their medians, the reserve absorbs the spread and a row that outruns grows.

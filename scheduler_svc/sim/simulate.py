@@ -28,8 +28,8 @@ from scheduler_svc.core.config import (
     PolicyConfig,
     PredictConfig,
     default_lanes,
-    prefill_budget_tokens,
 )
+from scheduler_svc.core.engine import prefill_budget_tokens
 from scheduler_svc.core.fifo import FifoScheduler
 from scheduler_svc.core.policy import PolicyScheduler
 from scheduler_svc.core.slo import lane_slo_s, lane_targets

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 from scheduler_svc.tools.bench import plan as bp
-from scheduler_svc.tools.bench import run
+from scheduler_svc.tools.bench import plans, run
 
 
 def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> None:
-    results = run.run(bp.QUICK, tmp_path, seed=1, command="scheduler-svc bench --quick --seed 1")
+    results = run.run(plans.QUICK, tmp_path, seed=1, command="scheduler-svc bench --quick --seed 1")
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["parameters"]["plan"] == "quick"
     cal = stored["calibration"]["inflight"]
@@ -24,7 +24,7 @@ def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> Non
 
     runs = stored["runs"]
     # each step runs its own targets: the three always, make run's timers where the plan asks
-    assert len(runs) == sum(len(bp.QUICK.targets(step)) for step in bp.QUICK.steps)
+    assert len(runs) == sum(len(plans.QUICK.targets(step)) for step in plans.QUICK.steps)
     assert any(r["target"] == bp.DEFAULTS_TARGET for r in runs)
     for r in runs:
         s = r["summary"]
@@ -42,12 +42,12 @@ def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> Non
         cold = s["lanes"].get("cold", {"ok": 0})
         assert not cold["ok"] or cold["ttft_p50_ms"] > 0, where
     burst = [r for r in runs if r["mix"] == "burst"]
-    burst_step = next(step for step in bp.QUICK.steps if step.mix == "burst")
-    assert {r["target"] for r in burst} == set(bp.QUICK.targets(burst_step))
+    burst_step = next(step for step in plans.QUICK.steps if step.mix == "burst")
+    assert {r["target"] for r in burst} == set(plans.QUICK.targets(burst_step))
     assert all(r["offered_rps"] > 5 * cal["capacity_rps"]["chat"] for r in burst)
 
     for target in bp.TARGETS:
-        assert stored["overhead"][target]["n"] == bp.QUICK.overhead_rounds
+        assert stored["overhead"][target]["n"] == plans.QUICK.overhead_rounds
         assert stored["overhead"][target]["e2e_p50_ms"] > 0
     # QPS at the P99 SLO: the shared bisection ran for every target, and its answer is the
     # highest rate whose measured run met the SLO.
@@ -56,8 +56,8 @@ def test_a_quick_run_fills_every_column_from_measurements(tmp_path: Path) -> Non
     assert [r["target"] for r in searched] == list(bp.TARGETS)
     for r in searched:
         trials = r["trials"]
-        assert 1 <= len(trials) <= 1 + bp.QUICK.slo_iterations
-        assert trials[0]["rate_rps"] == round(bp.QUICK.slo_range[0] * r["capacity_rps"], 3)
+        assert 1 <= len(trials) <= 1 + plans.QUICK.slo_iterations
+        assert trials[0]["rate_rps"] == round(plans.QUICK.slo_range[0] * r["capacity_rps"], 3)
         assert all(t["met"] == bp.meets_slo(t["summary"], slo) for t in trials)
         met = [t["rate_rps"] for t in trials if t["met"]]
         assert r["qps_at_slo"] == (max(met) if met else 0.0)

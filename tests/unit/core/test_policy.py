@@ -24,8 +24,8 @@ from scheduler_svc.core.config import (
     OnTimeout,
     PolicyConfig,
     default_lanes,
-    prefill_budget_tokens,
 )
+from scheduler_svc.core.engine import prefill_budget_tokens
 from scheduler_svc.core.policy import (
     KV_PASS_SHARE,
     MIN_START_SHARE,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from scheduler_svc.core.slo import SLO_FLOOR_S
-from scheduler_svc.tools.bench import live, report, run
+from scheduler_svc.tools.bench import live, plans, report, run
 from scheduler_svc.tools.bench import plan as bp
 from scheduler_svc.tools.bench.plan import EngineDelta, Outcome
 
@@ -133,7 +133,7 @@ def test_lanes_follow_the_documents_bounds() -> None:
 def test_plans_fit_their_time_budgets() -> None:
     """The plans' own arithmetic: offered windows plus calibration stay inside the budget the
     issue sets (quick < 3 min, full < 30 min), leaving room for draining between runs."""
-    for plan, budget_s in ((bp.QUICK, 180), (bp.FULL, 1800)):
+    for plan, budget_s in ((plans.QUICK, 180), (plans.FULL, 1800)):
         offered = sum(
             (plan.burst_s if s.mix == "burst" else plan.duration_s) * len(plan.targets(s))
             for s in plan.steps
@@ -203,8 +203,8 @@ def test_the_headline_compares_the_policy_with_triton_alone_at_the_top_load() ->
 
 def test_make_runs_timers_run_beside_the_slo_scaled_policy_where_the_plan_says() -> None:
     burst = bp.Step("inflight", "burst", bp.BURST_LOAD)
-    assert bp.FULL.targets(burst) == (*bp.TARGETS, bp.DEFAULTS_TARGET)
-    assert bp.FULL.targets(bp.Step("static", "mixed", 1.2)) == bp.TARGETS
+    assert plans.FULL.targets(burst) == (*bp.TARGETS, bp.DEFAULTS_TARGET)
+    assert plans.FULL.targets(bp.Step("static", "mixed", 1.2)) == bp.TARGETS
     slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
     defaults = live.sidecar_config("inflight", bp.DEFAULTS_TARGET, "http://m", slo)
     scaled = live.sidecar_config("inflight", "policy", "http://m", slo)
@@ -216,7 +216,11 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
     from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
     from scheduler_svc.core.engine import Batching, EngineProfile  # noqa: PLC0415
 
-    assert bp.BUDGET.targets(bp.BUDGET.steps[0]) == ("triton", bp.DEFAULTS_TARGET, bp.BUDGET_TARGET)
+    assert plans.BUDGET.targets(plans.BUDGET.steps[0]) == (
+        "triton",
+        bp.DEFAULTS_TARGET,
+        bp.BUDGET_TARGET,
+    )
     slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
     # The CPU engine: 256-token steps, prompts chunked by equal_progress.
     engine = EngineProfile(
@@ -227,7 +231,7 @@ def test_the_budget_plan_runs_make_runs_sidecar_with_its_prefill_budget_changed(
         context_chunking="equal_progress",
     )
     budgets = {}
-    assert all(t in bp.TARGET_NAMES for t in bp.BUDGET.targets(bp.BUDGET.steps[0]))
+    assert all(t in bp.TARGET_NAMES for t in plans.BUDGET.targets(plans.BUDGET.steps[0]))
     for target in (bp.DEFAULTS_TARGET, bp.BUDGET_TARGET):
         cfg = SidecarConfig.model_validate(live.sidecar_config("inflight", target, "http://m", slo))
         budgets[target] = cfg.policy_for_engine(cfg.policy_config(), engine).prefill_budget_tokens
@@ -241,7 +245,11 @@ def test_the_guard_plan_runs_make_runs_sidecar_beside_the_same_without_its_row_g
     from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
     from scheduler_svc.core.policy import PolicyScheduler  # noqa: PLC0415
 
-    assert bp.GUARD.targets(bp.GUARD.steps[0]) == ("triton", bp.DEFAULTS_TARGET, bp.NO_GUARD_TARGET)
+    assert plans.GUARD.targets(plans.GUARD.steps[0]) == (
+        "triton",
+        bp.DEFAULTS_TARGET,
+        bp.NO_GUARD_TARGET,
+    )
     slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
     configs = {
         target: SidecarConfig.model_validate(
@@ -267,7 +275,7 @@ def test_the_prefill_plan_runs_make_runs_sidecar_beside_the_same_without_its_pre
 ):
     from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
 
-    plan = bp.PLANS["prefill"]
+    plan = plans.PLANS["prefill"]
     assert {plan.targets(step) for step in plan.steps} == {
         ("triton", bp.DEFAULTS_TARGET, bp.NO_PREFILL_GUARD_TARGET)
     }
@@ -357,7 +365,7 @@ def test_a_run_whose_client_fell_behind_is_run_again_and_says_so(
     slo = {"hot": 0.25, "warm": 0.5, "cold": 2.0}
 
     async def measured() -> dict[str, Any]:
-        _, summary = await run._measured_run(None, step, "policy", [], bp.QUICK, 1.0, slo)  # type: ignore[arg-type]
+        _, summary = await run._measured_run(None, step, "policy", [], plans.QUICK, 1.0, slo)  # type: ignore[arg-type]
         return summary
 
     summary = asyncio.run(measured())
@@ -380,7 +388,7 @@ def test_kv_pressure_runs_count_pauses_and_kv_in_use() -> None:
 
 
 def test_the_kv_plan_searches_triton_and_the_policy_on_both_kv_policies() -> None:
-    plan = bp.KV
+    plan = plans.KV
     assert plan.engines == ("kv_noevict", "kv_maxutil")
     searched = ("triton", "policy", bp.SUMMED_TARGET)
     assert [plan.slo_targets(e, m) for e, m in plan.slo_points] == [searched] * 2
