@@ -47,7 +47,7 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   `prefill_budget_tokens` (a prompt longer than that goes alone; tokens the engine is expected
   to find cached, `Request.cached_tokens`, cost no prefill and do not count), so a short prompt
   arriving finds at most about one step of long-prompt work ahead of it; the shell derives the
-  budget from the engine's cost per prompt token (`prefill_budget_tokens()` in core/config.py).
+  budget from the engine's cost per prompt token (`prefill_budget_tokens()` in core/engine.py).
   The first lane's prompts are not budgeted: they pass a later lane held by the budget.
 - Starvation bound: a request is overtaken only by requests due before it, i.e. arriving less
   than (its lane's start budget - theirs, at most its target) after it, or by first-lane requests
@@ -929,10 +929,13 @@ class PolicyScheduler:
         the cold lane held 5-11 of the 16 rows). Kept from the middle lanes too, it refused 34
         of 85 warm requests at 8:1 and 0.9x capacity in a paired run, where without it none
         were."""
-        since = self._row_guard_at
-        if since is None or self._now - since >= self.config.admission.half_life_s:
+        if not self._lately(self._row_guard_at):
             return 0
         return int(self.config.kv.max_in_flight * self.config.lanes[0].share)
+
+    def _lately(self, since: float | None) -> bool:
+        """Whether `since` (a guard's latest trip) is within one drain half-life of now."""
+        return since is not None and self._now - since < self.config.admission.half_life_s
 
     def _long_prefill_rows(self) -> int:
         """Last-lane prompts in their context phase in the engine (dispatched, no first token);
@@ -948,19 +951,15 @@ class PolicyScheduler:
         one drain half-life (`admission.half_life_s`) after the latest such miss,
         `prefill_guard_slots`. An engine that chunks prompts (equal_progress) gives every
         prompt in its context phase an equal share of each step's prompt tokens, so a 250-token
-        hot prompt beside three long ones got a quarter of each 256-token step on the CPU engine
-        and its first token took four or five loaded steps (live, mixed at 1.2x capacity: hot
+        hot prompt beside three long ones gets a quarter of each 256-token step on the CPU engine
+        and waits four or five loaded steps for its first token (live, mixed at 1.2x capacity: hot
         TTFT P50 by prompt length 107 ms under 64 tokens, 341 ms over 192, with the sidecar's
         queue wait under 1 ms). Kept only after a miss, as the row guard is: below saturation
         a long prompt's prefill beside short ones is what lets it meet its own target. Only the
         last lane (the longest prompts, the loosest target), as for the row guard: holding the
         middle lane too, the warm lane's P99 on the 8:1 mix at 0.6x capacity was 2.0-3.2x that
         without the guard in two paired runs."""
-        slots = self.config.prefill_guard_slots
-        since = self._prefill_guard_at
-        if slots is None or since is None or self._now - since >= self.config.admission.half_life_s:
-            return None
-        return slots
+        return self.config.prefill_guard_slots if self._lately(self._prefill_guard_at) else None
 
     def _check_prefill(self, flight: _InFlight, now: float) -> None:
         """A first-lane row's first token: (re)start the prefill guard where it came past its
