@@ -679,6 +679,7 @@ def _add_bench_command(commands: Any) -> None:
             "overload",
             "guard",
             "prefill",
+            "rows",
             "agree",
             "document",
         ),
@@ -688,7 +689,8 @@ def _add_bench_command(commands: Any) -> None:
         "under KV pressure), deadline (issue 28's targets), budget (make run's sidecar against "
         "a pinned two-step prefill budget), overload (issue 28's overload and 8:1 at 0.9x, twice), "
         "guard (make run's sidecar against the same without its row guard, mixed and the burst), "
-        "prefill (the same without its prefill guard, mixed and 8:1); "
+        "prefill (the same without its prefill guard, mixed and 8:1), rows (the same without "
+        "the row wait at admission, mixed, 8:1 and the burst); "
         "with --engine-profile: agree (the default: the "
         "simulator against the live stack) or document (the source document's table on the "
         "profile)",

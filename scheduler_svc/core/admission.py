@@ -18,12 +18,15 @@ model of the engine is needed. A lane not yet learned borrows the rate of the wh
 the borrowed prediction errs short, towards admitting.
 
 Each lane also learns how long its requests take from their start in the engine to their first
-token (`FirstToken`: the median of its last FIRST_TOKEN_WINDOW starts). A request must start
+token (`RecentMedian`: the median of its last RECENT_WINDOW starts). A request must start
 that much before its TTFT target to meet it, so on an in-flight engine the policy orders,
-times out and admits by the target less that time (`PolicyScheduler.start_budget`).
+times out and admits by the target less that time (`PolicyScheduler.start_budget`). The
+engine's time per output token of a running row is learned the same way, from the rows'
+progress reports; with each row's predicted output left, it says when the engine's rows free
+(`PolicyScheduler.row_wait`: what a first-lane arrival waits while every row is taken).
 
-Invariants: rates are finite and > 0 once trusted; sums are >= 0; a first-token time is the
-median of at most FIRST_TOKEN_WINDOW non-negative samples.
+Invariants: rates are finite and > 0 once trusted; sums are >= 0; a recent median is the
+median of at most RECENT_WINDOW non-negative samples.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from collections import deque
 
 from scheduler_svc.core.config import AdmissionConfig
 
-FIRST_TOKEN_WINDOW = 64  # starts a lane's first-token time is the median of
-FIRST_TOKEN_MIN = 8  # starts seen before the lane's first-token time is trusted
+RECENT_WINDOW = 64  # samples a recent median is taken over (a lane's starts, the rows' steps)
+RECENT_MIN = 8  # samples seen before a recent median is trusted
 
 
 class DrainRate:
@@ -74,18 +77,19 @@ class DrainRate:
         return self.tokens / self.busy_s
 
 
-class FirstToken:
-    """One lane's recent seconds from a request's start in the engine to its first token."""
+class RecentMedian:
+    """The median of recent durations: a lane's seconds from a request's start in the engine
+    to its first token, or the engine's seconds per output token of a running row."""
 
     def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=FIRST_TOKEN_WINDOW)
+        self.samples: deque[float] = deque(maxlen=RECENT_WINDOW)
         self._median: float | None = None  # kept per start: every arrival reads it
 
     def observe(self, seconds: float) -> None:
         self.samples.append(max(0.0, seconds))
-        if len(self.samples) >= FIRST_TOKEN_MIN:
+        if len(self.samples) >= RECENT_MIN:
             self._median = sorted(self.samples)[len(self.samples) // 2]
 
     def median(self) -> float | None:
-        """The median of the recent starts, or None while fewer than FIRST_TOKEN_MIN."""
+        """The median of the recent samples, or None while fewer than RECENT_MIN."""
         return self._median

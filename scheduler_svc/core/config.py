@@ -219,6 +219,9 @@ class AdmissionConfig:
     min_busy_s: float = 0.5  # busy time seen before a lane's rate is trusted
     min_completions: int = 8  # completions seen before a lane's rate is trusted
     margin: float = 1.0  # refuse when the predicted wait exceeds margin x the time allowed
+    # On an in-flight engine a first-lane arrival's wait is also the time until a row frees
+    # for it, from the running rows' predicted outputs left (`PolicyScheduler.row_wait`).
+    row_wait: bool = True
 
     def validate(self) -> None:
         _check(0.1 <= self.half_life_s <= 3600, "admission.half_life_s", "must be in [0.1, 3600]")

@@ -63,7 +63,9 @@ order instead (`_dispatch_by_deadline`), work-conserving:
   beside more of them (a last-lane request then waits until one of them has its first token).
 - Admission: refuse at arrival only what is predicted to start past what its lane allows
   (`allowed_wait`) after the work due before it (on the first lane: its own lane's), at the
-  engine's drain rate. A lane's timeout action fires at its start budget; a hot request past it
+  engine's drain rate, or, on the first lane, when a row is predicted to free for it
+  (`row_wait`: the running rows' predicted outputs left at the engine's recent time per
+  output token). A lane's timeout action fires at its start budget; a hot request past it
   with no fallback is answered at once (not served from a lower lane seconds late); a requeue
   lane's request keeps its place while it waits again.
 
@@ -77,9 +79,9 @@ Invariants (tests/unit/core/test_policy.py's state machine):
   for the oldest: that is what stops a large request from starving);
 - each lane's queue stays within its cap;
 - primary batches with a member in flight never exceed `max_batches_in_flight`;
-- a request is refused for a predicted wait only with work queued ahead of it (an idle lane
-  predicts 0) and with that wait, > 0, as its hint; the queued tokens a lane's prediction
-  divides and its unprefilled prompt tokens are exactly its requests' sums;
+- a request is refused for a predicted wait only with work queued ahead of it or every row
+  taken (an idle engine predicts 0) and with that wait, > 0, as its hint; the queued tokens a
+  lane's prediction divides and its unprefilled prompt tokens are exactly its requests' sums;
 - in-flight engines: no dispatch leaves a queued request that was due earlier and could have
   gone (rows, KV; for a later lane, the budget; for the last, the row and prefill guards;
   another lane's, past one the KV pool could not take within its pass window); the later lanes'
@@ -90,11 +92,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 
-from scheduler_svc.core.admission import DrainRate, FirstToken
+from scheduler_svc.core.admission import DrainRate, RecentMedian
 from scheduler_svc.core.breaker import Breaker
 from scheduler_svc.core.bucketing import Bucket, Entry, LaneQueue, kv_prompt_tokens, root_tenant
 from scheduler_svc.core.config import OnTimeout, PolicyConfig
@@ -159,6 +162,7 @@ URGENT_SHARE = 0.25
 # A lane's start budget never falls below this share of its TTFT target, however slow the
 # engine's first tokens lately were (a stalled engine must not make the lane refuse all).
 MIN_START_SHARE = 0.25
+MEDIAN = 0.5  # the output quantile a running row is expected to end at (`row_wait`)
 
 
 class _TimerKind(StrEnum):
@@ -190,6 +194,10 @@ class _InFlight:
     # A first-lane row: the most last-lane prompts seen in their context phase beside it
     # (at its dispatch and at its first token).
     beside: int = 0
+    # Its median predicted output, None while its kind's outputs are not known (`row_wait`).
+    expected_output: int | None = None
+    produced: int = 0  # output tokens at its latest progress report
+    reported_at: float = 0.0  # when that report came (its dispatch, before the first)
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,8 @@ class PolicyScheduler:
         self._batch_rows: dict[int, int] = {}  # primary batch id -> members still in flight
         self.drain = {lane.name: DrainRate(config.admission) for lane in config.lanes}
         self.pooled_drain = DrainRate(config.admission)  # every lane's completions together
-        self.first_token = {lane.name: FirstToken() for lane in config.lanes}
+        self.first_token = {lane.name: RecentMedian() for lane in config.lanes}
+        self.token_time = RecentMedian()  # seconds per output token of a running row
         self._queued_tokens = dict.fromkeys(self.lanes, 0)  # cost tokens waiting per lane
         self._prefill_tokens = dict.fromkeys(self.lanes, 0)  # prompt tokens not yet prefilled
         self._prefill_rows = dict.fromkeys(self.lanes, 0)  # rows not yet prefilled, per lane
@@ -297,14 +306,18 @@ class PolicyScheduler:
         timed_by = self.timed_by(lane, request)
         late = self._late(lane, request.queue_deadline, now, tag, tenant, timed_by)
         if late is not None:
-            wait, allowed = late
+            wait, allowed, by_rows = late
             if self.deadline_order:
                 behind = "its tenant's place in fair order" if fair else "the work due before it"
+                if by_rows:
+                    rows = self.config.kv.max_in_flight
+                    behind = f"when one of the engine's {rows} rows frees for it"
                 return self._reject(
                     rid,
                     RejectReason.PREDICTED_LATE,
-                    f"lane {lane!r} would start it in about {wait * 1000:.0f} ms, behind "
-                    f"{behind}; it may wait {allowed * 1000:.0f} ms",
+                    f"lane {lane!r} would start it in about {wait * 1000:.0f} ms, "
+                    f"{'' if by_rows else 'behind '}{behind}; it may wait "
+                    f"{allowed * 1000:.0f} ms",
                     wait,
                 )
             return self._reject(
@@ -481,15 +494,21 @@ class PolicyScheduler:
         tag: float | None = None,
         tenant: str = "",
         timed_by: str = "",
-    ) -> tuple[float, float] | None:
-        """(predicted wait, time allowed) when a request entering `lane` now (at fair place
-        `tag`, where fairness is on; timed by `timed_by`'s target where not its lane's) is
-        predicted to start too late for the lane or for its deadline; None when it may be
-        admitted."""
+    ) -> tuple[float, float, bool] | None:
+        """(predicted wait, time allowed, whether the wait is for a row) when a request
+        entering `lane` now (at fair place `tag`, where fairness is on; timed by `timed_by`'s
+        target where not its lane's) is predicted to start too late for the lane or for its
+        deadline; None when it may be admitted. A first-lane request on an in-flight engine
+        waits for the work ahead of it and for a row (`row_wait`), whichever is longer."""
         if not self.config.admission.enabled:
             return None
         key = self._order_key(timed_by or lane, now, deadline) if self.deadline_order else None
         wait = self.predicted_wait(lane, key, tag, tenant)
+        rows = 0.0
+        if self.deadline_order and lane == self.config.lanes[0].name:
+            rows = self.row_wait(self._rows_ahead(lane, tag, tenant))
+        if rows > 0.0 and (wait is None or rows > wait):
+            wait = rows
         if wait is None:
             return None
         allowed = self.allowed_wait(lane, timed_by)
@@ -498,7 +517,52 @@ class PolicyScheduler:
             allowed = left if allowed is None else min(allowed, left)
         if allowed is None or wait <= allowed * self.config.admission.margin:
             return None
-        return wait, allowed
+        return wait, allowed, wait == rows
+
+    def row_wait(self, ahead: int) -> float:
+        """Seconds until an in-flight engine has a row for a first-lane request with `ahead`
+        queued requests to start before it: 0 while a row is free for it, else when the row it
+        waits for frees, each running row's median predicted output left (at least one token:
+        a row past its median is taken to end next; where the predicted quantile were used,
+        most rows would be taken to run longer than they do; a row whose kind's outputs are not
+        known yet, to end now) at the
+        engine's recent time per output token, less the time since the row last reported; 0
+        until that time is learned, or with `admission.row_wait` off. A first-lane request
+        starts in one or two steps once it has a row, so where rows run out before KV (the CPU
+        engine's 16) the row is its wait: live, mixed at 1.2x capacity, the hot requests the
+        policy answered at their start budget had arrived with every row taken and the first to
+        free 83-344 ms away, against budgets of 75-90 ms (counted from the sidecar's request
+        log). Past the rows running, later rows are not predicted: the wait is the last running
+        row's, short of the truth, so the rule errs towards admitting."""
+        free = self.config.kv.max_in_flight - self._rows_in_flight
+        nth = ahead + 1 - free
+        step = self.token_time.median()
+        if nth <= 0 or step is None or not self.config.admission.row_wait:
+            return 0.0
+        left = [
+            0.0
+            if f.expected_output is None
+            else max(
+                0.0, max(1, f.expected_output - f.produced) * step - (self._now - f.reported_at)
+            )
+            for f in self._in_flight.values()
+            if f.target is Target.PRIMARY
+        ]
+        if not left:
+            return 0.0
+        return heapq.nsmallest(min(nth, len(left)), left)[-1]
+
+    def _rows_ahead(self, lane: str, tag: float | None, tenant: str) -> int:
+        """Queued requests of `lane` to start before an arrival now: all of them, or with
+        `tag` (its tenant's place in fair order) the work fair order serves first, in requests
+        of the lane's mean queued size."""
+        queue = self.lanes[lane]
+        if not len(queue):
+            return 0
+        if tag is None:
+            return len(queue)
+        mean = self._queued_tokens[lane] / len(queue)
+        return math.ceil(queue.work_before(tenant, tag) / mean) if mean > 0 else len(queue)
 
     def _retry_hint(self, lane: str) -> float:
         """When to retry: the lane's predicted wait where it is known, else the fixed hint."""
@@ -810,6 +874,10 @@ class PolicyScheduler:
                 timed_by=entry.timed_by,
                 arrived_at=entry.arrived_at,
                 beside=self._long_prefill_rows(),
+                expected_output=self.predictor.quantile(
+                    entry.request.tenant, lane, entry.max_tokens, MEDIAN
+                ),
+                reported_at=self._now,
             )
             shorter = entry.max_tokens if entry.max_tokens < entry.request.max_tokens else None
             out.append(Dispatch(rid, lane, batch, Target.PRIMARY, shorter))
@@ -1151,6 +1219,10 @@ class PolicyScheduler:
             self._prefill_rows[flight.lane] -= 1
             self.first_token[flight.timed_by or flight.lane].observe(now - flight.started_at)
             self._check_prefill(flight, now)
+        elif output_tokens > flight.produced > 0:
+            # Tokens since its previous report, a step each: the engine's pace per row now.
+            self.token_time.observe((now - flight.reported_at) / (output_tokens - flight.produced))
+        flight.produced, flight.reported_at = max(flight.produced, output_tokens), now
         own = flight.own_prompt_tokens
         used = own + output_tokens
         # Past its prediction, a reservation grows by another prediction's worth (at most to

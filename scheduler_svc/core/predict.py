@@ -48,12 +48,19 @@ class OutputPredictor:
 
     def predict(self, tenant: str, lane: str, max_tokens: int) -> int:
         """Output tokens to reserve for a request with this max_tokens."""
+        known = self.quantile(tenant, lane, max_tokens, self.config.quantile)
+        return max_tokens if known is None else known
+
+    def quantile(self, tenant: str, lane: str, max_tokens: int, q: float) -> int | None:
+        """The output that a share `q` of requests like this one stay within; None while too
+        few have been observed (where all of max_tokens is the safe reservation, but not the
+        expected length)."""
         for key in ((tenant, lane), (_ANY_TENANT, lane)):
             window = self._windows.get(key)
             if window is not None and len(window.sorted) >= self.config.min_samples:
-                ratio = window.quantile(self.config.quantile)
+                ratio = window.quantile(q)
                 return min(max_tokens, max(1, math.ceil(ratio * max_tokens)))
-        return max_tokens
+        return None
 
     def observe(self, tenant: str, lane: str, max_tokens: int, output_tokens: int) -> None:
         """A request of this tenant and lane produced `output_tokens` of its `max_tokens`."""

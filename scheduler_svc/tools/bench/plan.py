@@ -42,6 +42,7 @@ TARGET_NAMES = {
     "policy_budget_2steps": "make run's sidecar, prefill budget 2 steps",
     "policy_no_row_guard": "make run's sidecar, no row guard",
     "policy_no_prefill_guard": "make run's sidecar, no prefill guard",
+    "policy_no_row_wait": "make run's sidecar, no row wait at admission",
 }
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
@@ -53,16 +54,19 @@ DEFAULTS_TARGET = "policy_defaults"
 # default by the plan that asks: its prefill budget (`policy.prefill_budget_tokens`) pinned to
 # two of the CPU engine's 256-token steps, the default before it followed the engine's chunking
 # policy (none under equal_progress: the budget plan); no row guard (the first lane's share so
-# small that it keeps no row: the guard plan); no prefill guard (the prefill plan).
+# small that it keeps no row: the guard plan); no prefill guard (the prefill plan); no wait for
+# a row in a first-lane arrival's predicted wait (`admission.row_wait`: the rows plan).
 BUDGET_TARGET = "policy_budget_2steps"
 NO_GUARD_TARGET = "policy_no_row_guard"
 NO_PREFILL_GUARD_TARGET = "policy_no_prefill_guard"
+NO_ROW_WAIT_TARGET = "policy_no_row_wait"
 VARIANT_TARGETS: dict[str, dict[str, Any]] = {
     BUDGET_TARGET: {"prefill_budget_tokens": 512},
     NO_GUARD_TARGET: {
         "lanes": [{"name": "hot", "share": 0.001}, {"name": "warm"}, {"name": "cold"}]
     },
     NO_PREFILL_GUARD_TARGET: {"prefill_guard_slots": None},
+    NO_ROW_WAIT_TARGET: {"admission": {"row_wait": False}},
 }
 # QPS at the P99 SLO: a run meets it when every lane's P99 TTFT is within its SLO and at most
 # MAX_REFUSED of its requests was refused or failed (core/slo.py: the rule everything uses).

@@ -12,6 +12,7 @@ from scheduler_svc.tools.bench.plan import (
     DEFAULTS_TARGET,
     NO_GUARD_TARGET,
     NO_PREFILL_GUARD_TARGET,
+    NO_ROW_WAIT_TARGET,
     SUMMED_TARGET,
     Plan,
     Step,
@@ -179,4 +180,21 @@ PREFILL = replace(
     step_targets=("triton", DEFAULTS_TARGET, NO_PREFILL_GUARD_TARGET),
     warmup_requests=32,
 )
-PLANS = {p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD, GUARD, PREFILL)}
+# The row wait at admission (issue 28, target 5's fast refusals; target 2's refusals below
+# saturation): make run's sidecar against the same without it, and Triton alone, on the same
+# arrivals; past saturation, in the burst and both mixes below it (~10 min).
+ROWS = replace(
+    BUDGET,
+    name="rows",
+    steps=(
+        *_grid("inflight", ["mixed"], [1.2]),
+        Step("inflight", "burst", BURST_LOAD),
+        *_grid("inflight", ["spread_8to1"], [0.9]),
+        *_grid("inflight", ["mixed"], [0.9]),
+    ),
+    step_targets=("triton", DEFAULTS_TARGET, NO_ROW_WAIT_TARGET),
+    warmup_requests=32,
+)
+PLANS = {
+    p.name: p for p in (QUICK, FULL, SLO, KV, DEADLINE, BUDGET, OVERLOAD, GUARD, PREFILL, ROWS)
+}

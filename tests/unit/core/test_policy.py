@@ -378,6 +378,52 @@ def test_once_a_hot_request_misses_for_want_of_a_row_the_cold_lane_leaves_rows_t
     assert policy.rows_kept == 0 and dispatched(policy.schedule(10.3)) == ["c16"]
 
 
+def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in_time() -> None:
+    fresh = _in_flight(1)
+    fresh.submit(req("c0", 2000), 0.0)
+    fresh.schedule(0.0)
+    fresh.on_progress("c0", 1, 0.1)
+    for i in range(1, 10):
+        fresh.on_progress("c0", 1 + 16 * i, 0.1 + 0.32 * i)
+    assert fresh.token_time.median() == pytest.approx(0.02)
+    assert fresh.row_wait(0) == 0.0  # cold outputs not seen yet: the row is taken to end now
+    policy = _in_flight(4)
+    for _ in range(16):  # cold requests use all of their 64 tokens
+        policy.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
+    for i in range(4):
+        policy.submit(req(f"c{i}", 2000), 0.0)
+    assert len(dispatched(policy.schedule(0.0))) == 4  # every row
+    assert policy.row_wait(0) == 0.0  # the engine's time per token is not known yet: admit
+    for i in range(4):  # rows report their first token, then every 16 tokens, 20 ms a token
+        policy.on_progress(f"c{i}", 1, 0.1)
+        policy.on_progress(f"c{i}", 17, 0.42)
+        policy.on_progress(f"c{i}", 33, 0.74)
+    assert policy.token_time.median() == pytest.approx(0.02)
+    # 31 tokens left on every row: the first frees in ~620 ms, past hot's start budget.
+    late = policy.submit(req("h1", 100), 0.74)
+    assert isinstance(late, Rejected) and late.reason is RejectReason.PREDICTED_LATE
+    assert late.retry_after_s == pytest.approx(0.62)
+    assert "rows frees" in late.message
+    # A row about to end (one token left) frees in time: admitted, and goes when it does.
+    policy.on_progress("c0", 63, 0.8)
+    assert isinstance(policy.submit(req("h2", 100), 0.8), Admitted)
+    # A second hot arrival waits for the next row behind h2: ~600 ms again.
+    assert policy.row_wait(1) == pytest.approx(0.62 - 0.06)
+    assert isinstance(policy.submit(req("h3", 100), 0.8), Rejected)
+    policy.on_done("c0", 0.82, 64)
+    assert dispatched(policy.schedule(0.82)) == ["h2"]
+    # A free row, or the rule configured off: no wait for a row.
+    policy.on_done("c1", 0.83, 64)
+    assert policy.row_wait(0) == 0.0
+    off = _in_flight(4)
+    off.config = replace(off.config, admission=AdmissionConfig(row_wait=False))
+    off.token_time = policy.token_time
+    for i in range(4):
+        off.submit(req(f"c{i}", 2000), 0.0)
+    off.schedule(0.0)
+    assert isinstance(off.submit(req("h0", 100), 0.74), Admitted)
+
+
 def test_once_a_hot_first_token_is_late_beside_cold_prompts_they_prefill_one_at_a_time() -> None:
     policy = _in_flight(16)
     assert policy.prefill_slots is None  # any number prefill at once until a miss
@@ -922,6 +968,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.n += 1
         when = None if deadline is None else self.now + deadline
         queued_before = self.policy.stats().queued
+        rows_full = self.rows_left() <= 0
         request = Request(
             rid,
             prompt,
@@ -935,9 +982,10 @@ class PolicyMachine(RuleBasedStateMachine):
         if isinstance(verdict, Rejected):
             self.ends[rid] = "rejected"
             if verdict.reason is RejectReason.PREDICTED_LATE:
-                # Refused for a predicted wait only with work queued ahead, and the hint is
-                # that wait: never at an idle sidecar, never with a zero hint.
-                assert queued_before > 0 and verdict.retry_after_s > 0
+                # Refused for a predicted wait only with work queued ahead or every row taken
+                # (waiting for one to free), and the hint is that wait: never at an idle
+                # sidecar, never with a zero hint.
+                assert (queued_before > 0 or rows_full) and verdict.retry_after_s > 0
         else:
             self.admitted.add(rid)
             queued = self.policy.queued_ids()

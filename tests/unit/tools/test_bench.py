@@ -292,6 +292,26 @@ def test_the_prefill_plan_runs_make_runs_sidecar_beside_the_same_without_its_pre
     assert replace(plain, prefill_guard_slots=1) == guarded
 
 
+def test_the_rows_plan_runs_make_runs_sidecar_beside_the_same_without_its_row_wait() -> None:
+    from scheduler_svc.config import SidecarConfig  # noqa: PLC0415
+
+    plan = plans.PLANS["rows"]
+    assert {plan.targets(step) for step in plan.steps} == {
+        ("triton", bp.DEFAULTS_TARGET, bp.NO_ROW_WAIT_TARGET)
+    }
+    assert {step.mix for step in plan.steps} == {"mixed", "spread_8to1", "burst"}
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    waits, plain = (
+        SidecarConfig.model_validate(
+            live.sidecar_config("inflight", target, "http://m", slo)
+        ).policy_config()
+        for target in (bp.DEFAULTS_TARGET, bp.NO_ROW_WAIT_TARGET)
+    )
+    # The same policy but for the row wait.
+    assert waits.admission.row_wait and not plain.admission.row_wait
+    assert replace(plain, admission=replace(plain.admission, row_wait=True)) == waits
+
+
 def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
     results = _results()
     for r in results["runs"]:
