@@ -35,6 +35,13 @@ from collections import deque
 
 from scheduler_svc.core.config import AdmissionConfig
 
+# How often a running row reports its output so far to the core, in tokens (after its first
+# token, which always reports): KV growth and the row's time left (`PolicyScheduler.row_wait`)
+# follow it. Every 16 tokens, a hot row of under 16 reported only its first token, and its time
+# left was counted from there at the engine's median pace: a row a little slower than the
+# median was predicted to free well before it did (live, mixed at 1.2x: refusals at arrival
+# missed rows freeing 185-529 ms away against a 120 ms budget).
+PROGRESS_EVERY_TOKENS = 4
 RECENT_WINDOW = 64  # samples a recent median is taken over (a lane's starts, the rows' steps)
 RECENT_MIN = 8  # samples seen before a recent median is trusted
 

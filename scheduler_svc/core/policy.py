@@ -522,35 +522,42 @@ class PolicyScheduler:
     def row_wait(self, ahead: int) -> float:
         """Seconds until an in-flight engine has a row for a first-lane request with `ahead`
         queued requests to start before it: 0 while a row is free for it, else when the row it
-        waits for frees, each running row's median predicted output left (at least one token:
-        a row past its median is taken to end next; where the predicted quantile were used,
-        most rows would be taken to run longer than they do; a row whose kind's outputs are not
-        known yet, to end now) at the
-        engine's recent time per output token, less the time since the row last reported; 0
-        until that time is learned, or with `admission.row_wait` off. A first-lane request
-        starts in one or two steps once it has a row, so where rows run out before KV (the CPU
-        engine's 16) the row is its wait: live, mixed at 1.2x capacity, the hot requests the
-        policy answered at their start budget had arrived with every row taken and the first to
-        free 83-344 ms away, against budgets of 75-90 ms (counted from the sidecar's request
-        log). Past the rows running, later rows are not predicted: the wait is the last running
-        row's, short of the truth, so the rule errs towards admitting."""
+        waits for frees (`_time_left`: each running row's median predicted output left, at
+        least one token, at the engine's recent time per output token; a row past its median is
+        taken to end next, and a row whose kind's outputs are not known yet to end now: the
+        predicted quantile would take most rows to run longer than they do); 0 until that time
+        is learned, or with `admission.row_wait` off. A first-lane request starts in one or two
+        steps once it has a row, so where rows run out before KV (the CPU engine's 16) the row is
+        its wait: live, mixed at 1.2x capacity, the hot requests the policy answered at their
+        start budget had arrived with every row taken and the first to free 83-344 ms away,
+        against budgets of 75-90 ms (counted from the sidecar's request log). Past the rows
+        running, later rows are not predicted: the wait is the last running row's, short of the
+        truth, so the rule errs towards admitting."""
         free = self.config.kv.max_in_flight - self._rows_in_flight
         nth = ahead + 1 - free
         step = self.token_time.median()
         if nth <= 0 or step is None or not self.config.admission.row_wait:
             return 0.0
-        left = [
-            0.0
-            if f.expected_output is None
-            else max(
-                0.0, max(1, f.expected_output - f.produced) * step - (self._now - f.reported_at)
-            )
-            for f in self._in_flight.values()
-            if f.target is Target.PRIMARY
-        ]
+        times = (self._time_left(f, step) for f in self._in_flight.values())
+        left = [t for t in times if t is not None]
         if not left:
             return 0.0
         return heapq.nsmallest(min(nth, len(left)), left)[-1]
+
+    def _time_left(self, flight: _InFlight, step: float) -> float | None:
+        """Seconds until a running row frees (`row_wait`); None for a row that holds none.
+        A row still in its context phase has all its output ahead of it (its prefill so far
+        says nothing of its decoding: counted from its dispatch, the CPU engine's cold prompts,
+        seconds in prefill, looked about to free); a decoding row has generated a token a step
+        since it last reported."""
+        if flight.target is not Target.PRIMARY:
+            return None
+        if flight.expected_output is None:
+            return 0.0
+        if flight.prefilling:
+            return flight.expected_output * step
+        left = max(1, flight.expected_output - flight.produced) * step
+        return max(0.0, left - (self._now - flight.reported_at))
 
     def _rows_ahead(self, lane: str, tag: float | None, tenant: str) -> int:
         """Queued requests of `lane` to start before an arrival now: all of them, or with

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from scheduler_svc.core.admission import PROGRESS_EVERY_TOKENS
 from scheduler_svc.core.engine import Batching, EngineProfile
 from scheduler_svc.core.types import BatchInfo
 from scheduler_svc.errors import (
@@ -40,7 +41,6 @@ from scheduler_svc.serving.backends.base import Backend, GenerationInput, Tokens
 
 log = structlog.get_logger("scheduler_svc.runner")
 
-PROGRESS_EVERY_TOKENS = 16  # how often the core hears how far a row has got
 DEFAULT_STALL_S = 30.0
 _END = None
 _T = TypeVar("_T")

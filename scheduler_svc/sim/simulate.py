@@ -20,6 +20,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
+from scheduler_svc.core.admission import PROGRESS_EVERY_TOKENS
 from scheduler_svc.core.config import (
     MEDIAN_FOR_ALLOCATING_ENGINES,
     FairnessConfig,
@@ -326,7 +327,8 @@ class _Run:
         if self.sched is not None:
             for seq in step.progressed:
                 first = seq.generated == 1  # prefilled: frees the lane's prefill share
-                if (first or seq.generated % 16 == 0) and seq.generated < seq.output_tokens:
+                every = PROGRESS_EVERY_TOKENS
+                if (first or seq.generated % every == 0) and seq.generated < seq.output_tokens:
                     self.sched.on_progress(seq.request_id, seq.generated, now)
             if isinstance(self.engine, InflightEngine):
                 self.sched.observe_kv(self.engine.free_blocks, self.engine.total_blocks, now)

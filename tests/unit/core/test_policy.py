@@ -394,7 +394,7 @@ def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in
         policy.submit(req(f"c{i}", 2000), 0.0)
     assert len(dispatched(policy.schedule(0.0))) == 4  # every row
     assert policy.row_wait(0) == 0.0  # the engine's time per token is not known yet: admit
-    for i in range(4):  # rows report their first token, then every 16 tokens, 20 ms a token
+    for i in range(4):  # rows report their first token, then (here) every 16 tokens, 20 ms a token
         policy.on_progress(f"c{i}", 1, 0.1)
         policy.on_progress(f"c{i}", 17, 0.42)
         policy.on_progress(f"c{i}", 33, 0.74)
@@ -422,6 +422,15 @@ def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in
         off.submit(req(f"c{i}", 2000), 0.0)
     off.schedule(0.0)
     assert isinstance(off.submit(req("h0", 100), 0.74), Admitted)
+    # A row in its context phase has its whole output ahead, however long it has prefilled.
+    slow = _in_flight(1)
+    for _ in range(16):
+        slow.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
+    slow.token_time = policy.token_time
+    slow.submit(req("c0", 2000), 0.0)
+    slow.schedule(0.0)
+    slow.schedule(5.0)
+    assert slow.row_wait(0) == pytest.approx(64 * 0.02)
 
 
 def test_once_a_hot_first_token_is_late_beside_cold_prompts_they_prefill_one_at_a_time() -> None:

@@ -239,7 +239,8 @@ def test_progress_and_the_output_length_reach_the_core() -> None:
             ticket = await submit(loop, "r", 100, max_tokens=40)
             assert len(await read(ticket)) == 40
             await until(lambda: loop.stats().in_flight == 0, "the row is done")
-            assert scheduler.reports == [("r", 1), ("r", 16), ("r", 32)]  # first, every 16
+            # The first token, then every PROGRESS_EVERY_TOKENS (4), its 40th and last included.
+            assert scheduler.reports == [("r", 1)] + [("r", n) for n in range(4, 41, 4)]
             assert scheduler.predictor.samples("", "hot") == 1  # its output length was learnt
             assert scheduler.mirror.held() == {}
         finally:
