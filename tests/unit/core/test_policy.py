@@ -422,6 +422,23 @@ def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in
         off.submit(req(f"c{i}", 2000), 0.0)
     off.schedule(0.0)
     assert isinstance(off.submit(req("h0", 100), 0.74), Admitted)
+    # A warm request due before it takes the first row that frees: a hot arrival waits for
+    # the next one.
+    pair = _in_flight(2)
+    for _ in range(16):
+        pair.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
+    pair.token_time = policy.token_time
+    pair.submit(req("c0", 2000), 0.0)
+    pair.submit(req("c1", 2000), 0.0)
+    pair.schedule(0.0)
+    pair.submit(req("w0", 500), 0.05)  # due at 0.40 s (warm's 350 ms target)
+    for rid in ("c0", "c1"):
+        pair.on_progress(rid, 1, 0.1)
+    pair.on_progress("c0", 63, 0.2)  # one token left: frees in ~20 ms, for w0
+    refused = pair.submit(req("h0", 100), 0.2)  # due at 0.45 s; c1 frees in ~1.16 s
+    assert isinstance(refused, Rejected) and refused.retry_after_s == pytest.approx(1.16)
+    pair.cancel("w0", 0.2)
+    assert isinstance(pair.submit(req("h1", 100), 0.2), Admitted)
     # A row in its context phase has its whole output ahead, however long it has prefilled.
     slow = _in_flight(1)
     for _ in range(16):

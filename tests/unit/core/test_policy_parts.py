@@ -76,6 +76,9 @@ def test_prediction_starts_safe_and_learns_a_quantile_per_tenant_and_lane() -> N
     assert predictor.predict("t", "hot", 100) == 18  # the 90th percentile of 1..20
     assert predictor.predict("other", "hot", 100) == 18  # pooled over the lane
     assert predictor.predict("t", "warm", 100) == 100
+    # A guess at a length (not a reservation) may borrow every lane's ratios.
+    assert predictor.quantile("t", "warm", 100, 0.5) is None
+    assert predictor.quantile("t", "warm", 200, 0.5, any_lane=True) == 20  # the median, 0.10
     for _ in range(40):
         predictor.observe("t", "hot", 100, 100)
     assert predictor.samples("t", "hot") == 20  # the window is bounded
