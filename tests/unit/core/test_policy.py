@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from scheduler_svc.core.admission import RECENT_MIN
 from scheduler_svc.core.bucketing import Entry
 from scheduler_svc.core.config import (
     AdmissionConfig,
@@ -288,6 +289,17 @@ def _in_flight(rows: int, budget: int | None = None) -> PolicyScheduler:
     return PolicyScheduler(config)
 
 
+def _learned(rows: int, seconds_per_token: float | None = None) -> PolicyScheduler:
+    """`_in_flight(rows)` whose cold requests are known to use all 64 of their tokens, and
+    with `seconds_per_token` its rows' learned pace."""
+    policy = _in_flight(rows)
+    for _ in range(16):
+        policy.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
+    for _ in range(RECENT_MIN if seconds_per_token is not None else 0):
+        policy.token_time.observe(seconds_per_token or 0.0)
+    return policy
+
+
 def test_an_in_flight_engine_starts_a_request_at_once_when_it_can() -> None:
     policy = _in_flight(4)
     assert isinstance(policy.submit(req("c0", 3000), 0.0), Admitted)
@@ -380,16 +392,14 @@ def test_once_a_hot_request_misses_for_want_of_a_row_the_cold_lane_leaves_rows_t
 
 def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in_time() -> None:
     fresh = _in_flight(1)
-    fresh.submit(req("c0", 2000), 0.0)
+    fresh.submit(req("c0", 2000, max_tokens=400), 0.0)
     fresh.schedule(0.0)
     fresh.on_progress("c0", 1, 0.1)
     for i in range(1, 10):
         fresh.on_progress("c0", 1 + 16 * i, 0.1 + 0.32 * i)
     assert fresh.token_time.median() == pytest.approx(0.02)
-    assert fresh.row_wait(0) == 0.0  # cold outputs not seen yet: the row is taken to end now
-    policy = _in_flight(4)
-    for _ in range(16):  # cold requests use all of their 64 tokens
-        policy.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
+    assert fresh.row_wait(0) == 0.0  # no output seen yet: the row is taken to end now (not 5 s)
+    policy = _learned(4)
     for i in range(4):
         policy.submit(req(f"c{i}", 2000), 0.0)
     assert len(dispatched(policy.schedule(0.0))) == 4  # every row
@@ -415,19 +425,17 @@ def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in
     # A free row, or the rule configured off: no wait for a row.
     policy.on_done("c1", 0.83, 64)
     assert policy.row_wait(0) == 0.0
-    off = _in_flight(4)
+    on, off = _learned(4, 0.02), _learned(4, 0.02)
     off.config = replace(off.config, admission=AdmissionConfig(row_wait=False))
-    off.token_time = policy.token_time
-    for i in range(4):
-        off.submit(req(f"c{i}", 2000), 0.0)
-    off.schedule(0.0)
-    assert isinstance(off.submit(req("h0", 100), 0.74), Admitted)
+    for engine in (on, off):
+        for i in range(4):
+            engine.submit(req(f"c{i}", 2000), 0.0)
+        engine.schedule(0.0)
+    assert isinstance(on.submit(req("h0", 100), 0.1), Rejected)  # four rows still prefilling
+    assert isinstance(off.submit(req("h0", 100), 0.1), Admitted)
     # A warm request due before it takes the first row that frees: a hot arrival waits for
     # the next one.
-    pair = _in_flight(2)
-    for _ in range(16):
-        pair.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
-    pair.token_time = policy.token_time
+    pair = _learned(2, 0.02)
     pair.submit(req("c0", 2000), 0.0)
     pair.submit(req("c1", 2000), 0.0)
     pair.schedule(0.0)
@@ -440,10 +448,7 @@ def test_a_hot_arrival_waits_for_a_row_and_is_refused_at_once_when_none_frees_in
     pair.cancel("w0", 0.2)
     assert isinstance(pair.submit(req("h1", 100), 0.2), Admitted)
     # A row in its context phase has its whole output ahead, however long it has prefilled.
-    slow = _in_flight(1)
-    for _ in range(16):
-        slow.predictor.observe(req("x", 1).tenant, "cold", 64, 64)
-    slow.token_time = policy.token_time
+    slow = _learned(1, 0.02)
     slow.submit(req("c0", 2000), 0.0)
     slow.schedule(0.0)
     slow.schedule(5.0)
