@@ -238,7 +238,9 @@ def run_scenario(
     for enabled in (False, True):
         mode = "on" if enabled else "off"
         weights = scenario.weights() if enabled else {}
-        policy = {"fairness": {"enabled": enabled, "weights": weights}}
+        policy: dict[str, Any] = {"fairness": {"enabled": enabled, "weights": weights}}
+        if args.no_row_wait:
+            policy["admission"] = {"row_wait": False}
         proc, url = sidecars.start(f"{scenario.name}-{mode}", policy)
         began = time.monotonic()
         try:
@@ -263,6 +265,12 @@ def main() -> None:
         "--repeats", type=int, default=3, help="each scenario this often, fresh arrivals each"
     )
     parser.add_argument("--out", default="results/fairness")
+    parser.add_argument(
+        "--no-row-wait",
+        action="store_true",
+        help="both sidecars without the wait for a row at admission (`admission.row_wait`), "
+        "to pair with a run that has it",
+    )
     args = parser.parse_args()
     chosen = [s for s in fairness.SCENARIOS if not args.scenario or s.name in args.scenario]
     out = Path(args.out)
