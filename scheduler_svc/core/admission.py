@@ -90,13 +90,19 @@ class RecentMedian:
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=RECENT_WINDOW)
-        self._median: float | None = None  # kept per start: every arrival reads it
+        # Worked out when read and kept until the next sample: a lane's first-token time is
+        # read at every arrival, the rows' pace is written at every progress report.
+        self._median: float | None = None
+        self._stale = False
 
     def observe(self, seconds: float) -> None:
         self.samples.append(max(0.0, seconds))
-        if len(self.samples) >= RECENT_MIN:
-            self._median = sorted(self.samples)[len(self.samples) // 2]
+        self._stale = True
 
     def median(self) -> float | None:
         """The median of the recent samples, or None while fewer than RECENT_MIN."""
+        if self._stale:
+            self._stale = False
+            if len(self.samples) >= RECENT_MIN:
+                self._median = sorted(self.samples)[len(self.samples) // 2]
         return self._median

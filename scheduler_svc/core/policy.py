@@ -506,7 +506,12 @@ class PolicyScheduler:
         key = self._order_key(timed_by or lane, now, deadline) if self.deadline_order else None
         wait = self.predicted_wait(lane, key, tag, tenant)
         rows = 0.0
-        if self.deadline_order and lane == self.config.lanes[0].name:
+        if (
+            self.deadline_order
+            and self.config.admission.row_wait
+            and lane == self.config.lanes[0].name
+            and self.token_time.median() is not None
+        ):
             rows = self.row_wait(self._rows_ahead(lane, key, tag, tenant))
         if rows > 0.0 and (wait is None or rows > wait):
             wait = rows
@@ -527,9 +532,9 @@ class PolicyScheduler:
         least one token, at the engine's recent time per output token; a row past its median is
         taken to end next, and a row of a lane whose outputs are not known yet at every lane's
         median ratio, or with none known to end now: the predicted quantile would take most
-        rows to run longer than they do); 0 until that time is learned, or with
-        `admission.row_wait` off. A first-lane request starts in one or two steps once it has a
-        row, so where rows run out before KV (the CPU engine's 16) the row is its wait: live,
+        rows to run longer than they do); 0 until that time is learned (admission asks only
+        with `admission.row_wait` on). A first-lane request starts in one or two steps once it
+        has a row, so where rows run out before KV (the CPU engine's 16) the row is its wait: live,
         mixed at 1.2x capacity, the hot requests the policy answered at their start budget had
         arrived with every row taken and the first to free 83-344 ms away, against budgets of
         75-90 ms (counted from the sidecar's request log). Past the rows running, later rows are
@@ -538,7 +543,7 @@ class PolicyScheduler:
         free = self.config.kv.max_in_flight - self._rows_in_flight
         nth = ahead + 1 - free
         step = self.token_time.median()
-        if nth <= 0 or step is None or not self.config.admission.row_wait:
+        if nth <= 0 or step is None:
             return 0.0
         times = (self._time_left(f, step) for f in self._in_flight.values())
         left = [t for t in times if t is not None]
