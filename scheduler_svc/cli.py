@@ -680,6 +680,7 @@ def _add_bench_command(commands: Any) -> None:
             "guard",
             "prefill",
             "rows",
+            "below",
             "agree",
             "document",
         ),
@@ -690,7 +691,8 @@ def _add_bench_command(commands: Any) -> None:
         "a pinned two-step prefill budget), overload (issue 28's overload and 8:1 at 0.9x, twice), "
         "guard (make run's sidecar against the same without its row guard, mixed and the burst), "
         "prefill (the same without its prefill guard, mixed and 8:1), rows (the same without "
-        "the row wait at admission, mixed, 8:1 and the burst); "
+        "the row wait at admission, mixed, 8:1 and the burst), below (issue 28's below-saturation "
+        "cells twice, beside Triton alone run again on the same arrivals: the noise floor); "
         "with --engine-profile: agree (the default: the "
         "simulator against the live stack) or document (the source document's table on the "
         "profile)",

@@ -43,7 +43,12 @@ TARGET_NAMES = {
     "policy_no_row_guard": "make run's sidecar, no row guard",
     "policy_no_prefill_guard": "make run's sidecar, no prefill guard",
     "policy_no_row_wait": "make run's sidecar, no row wait at admission",
+    "triton_again": "Triton alone, again",
 }
+# Triton alone a second time on the same arrivals, in the same step: how far two runs of the very
+# same thing land apart here, the noise floor under a ratio against Triton alone (the below plan).
+TRITON_AGAIN = "triton_again"
+TRITON_TARGETS = ("triton", TRITON_AGAIN)
 # The policy whose KV mirror admits by the sum of every reservation's final size instead of the
 # pool's forecast peak (`kv.forecast_peak: false`, the rule before it): the kv plan runs both.
 SUMMED_TARGET = "policy_summed"

@@ -315,6 +315,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*headline(results, engine, mix, load), ""]
     if results.get("parameters", {}).get("plan") == "deadline":
         lines += deadline_sections(results)
+    floor = noise_floor(results)
+    if len(floor) > 2:
+        lines += ["## Below saturation against the noise floor (Triton alone run twice)", ""]
+        lines += [*floor, ""]
     kv = kv_pressure(results)
     if kv:
         lines += ["## KV pressure: QPS at the P99 SLO with a generous max_tokens", "", *kv, ""]
@@ -367,6 +371,52 @@ def below_saturation(results: dict[str, Any], other: str) -> list[str]:
     header = [
         "mix", "load", "requests", "P99 TTFT per lane: Triton alone → sidecar",
         "worst lane ratio", "refused: sidecar (Triton alone)",
+    ]  # fmt: skip
+    return table_lines(header, rows)
+
+
+def noise_floor(results: dict[str, Any]) -> list[str]:
+    """Each step run with Triton alone twice (the below plan): every lane's P99 TTFT through
+    make run's sidecar and through Triton alone again, each over the first Triton alone run's on
+    the same arrivals. The second ratio is what the same thing scores against itself here."""
+    by_step: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in results["runs"]:
+        if "step" in r:
+            by_step.setdefault(r["step"], {})[r["target"]] = r
+    rows = []
+    for runs in by_step.values():
+        base, again = runs.get("triton"), runs.get(P.TRITON_AGAIN)
+        mine = runs.get(P.DEFAULTS_TARGET)
+        if base is None or again is None or mine is None:
+            continue
+        cells = []
+        worst: dict[str, float] = {}
+        for lane in LANES:
+            a99 = _lane(base["summary"], lane, "ttft_p99_ms")
+            if a99 is None:
+                continue
+            parts = []
+            for name, run in (("sidecar", mine), ("again", again)):
+                r = ratio(_lane(run["summary"], lane, "ttft_p99_ms"), a99)
+                worst[name] = max(worst.get(name, 0.0), r or 0.0)
+                parts.append(fmt(r, "×"))
+            cells.append(f"{lane} {fmt(a99)} ms: {' / '.join(parts)}")
+        rows.append(
+            [
+                base["mix"],
+                f"{base['load']:g}×",
+                str(base["summary"]["requests"]),
+                "; ".join(cells),
+                fmt(worst.get("sidecar"), "×"),
+                fmt(worst.get("again"), "×"),
+                f"{_refused(mine['summary'])} ({_refused(again['summary'])})",
+            ]
+        )
+    header = [
+        "mix", "load", "requests",
+        "P99 TTFT per lane: Triton alone; sidecar ÷ it / Triton alone again ÷ it",
+        "worst lane: sidecar", "worst lane: Triton alone again",
+        "refused: sidecar (Triton alone again)",
     ]  # fmt: skip
     return table_lines(header, rows)
 

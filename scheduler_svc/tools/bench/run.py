@@ -180,7 +180,7 @@ async def _overhead(st: Stack, rounds: int, prompts: Prompts) -> dict[str, Any]:
 
 
 def _client(st: Stack, strategy: str, target: str) -> Client:
-    if target == "triton":
+    if target in P.TRITON_TARGETS:
         return TritonClient(st.triton.grpc_url, engine_model(strategy))
     return SidecarClient(st.sidecars[(strategy, target)])
 
@@ -268,6 +268,7 @@ async def _bench(plan: P.Plan, seed: int, progress: Progress, log_dir: Path) -> 
                 results["runs"].append(
                     {
                         **asdict(step),
+                        "step": index,
                         "target": target,
                         "offered_rps": round(len(requests) / window, 3),
                         "rate_rps": round(rate, 3),

@@ -312,6 +312,42 @@ def test_the_rows_plan_runs_make_runs_sidecar_beside_the_same_without_its_row_wa
     assert replace(plain, admission=replace(plain.admission, row_wait=True)) == waits
 
 
+def test_the_below_plan_runs_triton_alone_twice_beside_make_runs_sidecar() -> None:
+    plan = plans.PLANS["below"]
+    assert {plan.targets(step) for step in plan.steps} == {
+        ("triton", bp.DEFAULTS_TARGET, bp.TRITON_AGAIN)
+    }
+    cells = {(step.mix, step.load) for step in plan.steps}
+    assert cells == {(m, x) for m in ("mixed", "spread_8to1") for x in (0.3, 0.6, 0.9)}
+    assert len(plan.steps) == 2 * len(cells)  # each cell twice, with fresh arrivals
+
+
+def test_the_noise_floor_pairs_each_steps_runs_against_its_first_triton_alone_run() -> None:
+    slo = {"hot": 0.25, "warm": 0.3, "cold": 1.5}
+    runs = []
+    # Two steps of the same cell: each ratio is against its own step's Triton alone run.
+    targets = ("triton", bp.DEFAULTS_TARGET, bp.TRITON_AGAIN)
+    for step, ttfts in enumerate(((0.10, 0.12, 0.09), (0.20, 0.15, 0.30))):
+        for target, ttft in zip(targets, ttfts, strict=True):
+            outcomes = [Outcome("hot", 100, "ok", ttft_s=ttft, e2e_s=ttft + 1, tokens=5)]
+            runs.append(
+                {
+                    "engine": "inflight",
+                    "mix": "mixed",
+                    "load": 0.6,
+                    "step": step,
+                    "target": target,
+                    "summary": bp.summarize(outcomes, 1.0, slo, EngineDelta(1.0, 1.0, [], [])),
+                }
+            )
+    lines = report.noise_floor({"runs": runs})
+    assert len(lines) == 4  # header, rule, one row per step
+    assert "hot 100 ms: 1.2× / 0.9×" in lines[2] and "| 1.2× | 0.9× |" in lines[2]
+    assert "hot 200 ms: 0.75× / 1.5×" in lines[3] and "| 0.75× | 1.5× |" in lines[3]
+    # A run without its pair is left out, not compared with another step's.
+    assert len(report.noise_floor({"runs": runs[:4]})) == 3
+
+
 def test_the_deadline_plan_reports_issue_28s_targets_against_triton_alone() -> None:
     results = _results()
     for r in results["runs"]:
