@@ -332,6 +332,10 @@ class LaneQueue:
         self._tenant_finish[tenant] = min(self._tenant_finish[tenant], finish)
         return moved
 
+    def queued_requests(self, tenant: str) -> int:
+        """The root tenant's requests queued in this lane."""
+        return len(self._by_tenant.get(tenant, ()))
+
     def work_before(self, tenant: str, tag: float) -> float:
         """The work (tokens) a request of `tenant` starting at `tag` waits for in this lane,
         in fair order: its tenant's queued work, and of every other tenant what fair order
