@@ -30,6 +30,7 @@ from scheduler_svc.core.engine import prefill_budget_tokens
 from scheduler_svc.core.policy import (
     KV_PASS_SHARE,
     MIN_START_SHARE,
+    URGENT_SHARE,
     PolicyEvent,
     PolicyScheduler,
 )
@@ -1098,9 +1099,10 @@ class PolicyMachine(RuleBasedStateMachine):
         )
         candidates = queued
         while candidates:
-            # The lane whose request is due first; of it, that request, unless its tenant is
-            # backlogged in the lane and a typical span or more ahead of the fair head in fair
-            # order: then the fair head (deadline feasibility first, then tenant share).
+            # The lane whose request is due first; of it, the request first in fair order,
+            # unless the one due first is its tenant's only one queued there, or is nearly out
+            # of slack with its tenant at most one of its requests ahead of the fair head
+            # (deadline feasibility first).
             # Each lane ranks by its request due first; one past its deadline within its lane's
             # aging bound yields (its lane goes after the others).
             heads = {}
@@ -1111,9 +1113,10 @@ class PolicyMachine(RuleBasedStateMachine):
             if self.config.fairness.enabled:
                 fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
                 queue = policy.lanes[lane]
-                close = due.tag < fair.tag + queue.typical_span
+                urgent = due.deadline - self.now <= URGENT_SHARE * queue.config.ttft_target_s
+                close = due.tag <= fair.tag + queue.typical_span
                 mine = sum(1 for q in candidates if q[2] == lane and q[3].tenant == due.tenant)
-                entry = due if close or mine <= 1 else fair
+                entry = due if mine <= 1 or (urgent and close) else fair
             if full:
                 return  # held by rows: the request due first keeps the row that frees
             guarded = slots is not None and long_rows >= slots
