@@ -92,9 +92,10 @@ def test_a_tenants_work_counts_only_the_prompt_tokens_the_engine_must_prefill() 
 
 def test_a_request_nearly_out_of_slack_goes_first_unless_its_tenant_is_ahead() -> None:
     """Deadline feasibility first: within a lane the request due first passes the fair head
-    where it is its tenant's only one queued there (the tenant is not backlogged), else once
-    under a quarter of its target is left (not before), where its tenant is at most one of its
-    requests ahead in fair order; a tenant further ahead (served more) waits its turn."""
+    where its tenant is at most one of its requests ahead in fair order, at once where it is
+    its tenant's only one queued there (the tenant is not backlogged), else once under a
+    quarter of its target is left (not before); a tenant further ahead (served more) waits its
+    turn."""
     for now, backlog, first in ((0.15, True, "b1"), (0.2, True, "a1"), (0.15, False, "a1")):
         policy = _engine(1)
         policy.submit(req("run", 100, "a"), 0.0)

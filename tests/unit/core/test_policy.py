@@ -1100,8 +1100,8 @@ class PolicyMachine(RuleBasedStateMachine):
         candidates = queued
         while candidates:
             # The lane whose request is due first; of it, the request first in fair order,
-            # unless the one due first is its tenant's only one queued there, or is nearly out
-            # of slack with its tenant at most one of its requests ahead of the fair head
+            # unless the one due first has its tenant at most one of its requests ahead of the
+            # fair head and is its tenant's only one queued there or nearly out of slack
             # (deadline feasibility first).
             # Each lane ranks by its request due first; one past its deadline within its lane's
             # aging bound yields (its lane goes after the others).
@@ -1116,7 +1116,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 urgent = due.deadline - self.now <= URGENT_SHARE * queue.config.ttft_target_s
                 close = due.tag <= fair.tag + queue.typical_span
                 mine = sum(1 for q in candidates if q[2] == lane and q[3].tenant == due.tenant)
-                entry = due if mine <= 1 or (urgent and close) else fair
+                entry = due if close and (mine <= 1 or urgent) else fair
             if full:
                 return  # held by rows: the request due first keeps the row that frees
             guarded = slots is not None and long_rows >= slots
