@@ -157,12 +157,13 @@ class PolicyEvent(StrEnum):
 # How long, as a share of its lane's TTFT target, a request due first that the KV pool cannot
 # take yet lets other lanes' requests start past it (`_may_pass`).
 KV_PASS_SHARE = 1.0
+# The share of its lane's TTFT target left before a backlogged tenant's request due first goes
+# ahead of its lane's fair head (when its tenant is not ahead in fair order by more than that
+# request).
+URGENT_SHARE = 0.25
 # A lane's start budget never falls below this share of its TTFT target, however slow the
 # engine's first tokens lately were (a stalled engine must not make the lane refuse all).
 MIN_START_SHARE = 0.25
-# The share of its lane's TTFT target left before a request due first goes ahead of its lane's
-# fair head (when its tenant is not ahead in fair order by more than that request).
-URGENT_SHARE = 0.25
 MEDIAN = 0.5  # the output quantile a running row is expected to end at (`row_wait`)
 
 
@@ -1117,9 +1118,8 @@ class PolicyScheduler:
                 # head's (its tenant is within its share) and either its tenant has no other
                 # request queued in the lane (not backlogged: fair order would only reorder
                 # tenants by their tags) or its slack is nearly gone: the same window for every
-                # tenant (sized by the passing request's own
-                # work, a tenant of 200-token prompts passed three times as far as one of
-                # 60-token prompts). Without the window, a flooding tenant passed a quiet one
+                # tenant (sized by the passing request's own work, a tenant of 200-token prompts
+                # passed three times as far as one of 60-token prompts). Without the window, a flooding tenant passed a quiet one
                 # every time: the simulator's quiet tenant fell from 100 % to 97.6 % served,
                 # P99 169 -> 285 ms. Without the clause for tenants that are not backlogged,
                 # they waited for their slack to run low behind later arrivals of others: in
