@@ -1119,13 +1119,14 @@ class PolicyScheduler:
                 # request queued in the lane (not backlogged: fair order would only reorder
                 # tenants by their tags) or its slack is nearly gone: the same window for every
                 # tenant (sized by the passing request's own work, a tenant of 200-token prompts
-                # passed three times as far as one of 60-token prompts). Without the window, a flooding tenant passed a quiet one
-                # every time: the simulator's quiet tenant fell from 100 % to 97.6 % served,
-                # P99 169 -> 285 ms. Without the clause for tenants that are not backlogged,
-                # they waited for their slack to run low behind later arrivals of others: in
-                # the simulator (A100 profile, four tenants at random) QPS at the P99 SLO on
-                # mixed was 5.61/s (8.40/s with it) against 9.33/s with fairness off, its cold
-                # lane's P99 past its bound while hot had half of its own to spare.
+                # passed three times as far as one of 60-token prompts). Without the window, a
+                # flooding tenant passed a quiet one every time: the simulator's quiet tenant
+                # fell from 100 % to 97.6 % served, P99 169 -> 285 ms. Without the clause for
+                # tenants that are not backlogged, they waited for their slack to run low
+                # behind later arrivals of others: in the simulator (A100 profile, four tenants
+                # at random) QPS at the P99 SLO on mixed was 5.61/s (8.40/s with it) against
+                # 9.33/s with fairness off, its cold lane's P99 past its bound while hot had
+                # half of its own to spare.
                 queue = self.lanes[lane]
                 urgent = due.deadline - self._now <= URGENT_SHARE * queue.config.ttft_target_s
                 close = due.tag <= fair.tag + queue.typical_span
