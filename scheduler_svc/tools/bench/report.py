@@ -1,8 +1,9 @@
 """What `scheduler-svc bench` writes: results.json (every figure and the run's parameters),
 results.md (tables shaped like the source document's) and PNG plots.
 
-Just over 500 lines: the deadline plan's tables (issue 28) share this module's table helpers
-and would otherwise import them back.
+Just over 500 lines: the deadline plan's tables and the below plan's noise floor (issue 28)
+share this module's table helpers (`runs_at`, `_lane`, `_refused`, `table_lines`) and would
+otherwise import them back.
 """
 
 from __future__ import annotations
