@@ -381,3 +381,62 @@ def test_the_simulator_runs_the_bench_arrivals_with_fairness_on_and_off() -> Non
     # First come, first served gives the large prompts most of the work; fair order evens it.
     assert shares[False] is not None and shares[True] is not None
     assert shares[True] < 0.15 < shares[False]
+
+
+def _dispatched(decisions: list[object]) -> list[str]:
+    return [d.request_id for d in decisions if isinstance(d, Dispatch)]
+
+
+def test_the_last_row_is_kept_for_a_light_tenant_while_another_holds_the_rest() -> None:
+    policy = _engine(4)
+    for i in range(20):
+        policy.submit(req(f"n{i}", 60, "noisy"), 0.0)
+    assert len(_dispatched(policy.schedule(0.0))) == 4  # no other tenant seen: every row
+    for i in range(4):
+        policy.on_done(f"n{i}", 0.05, 16)
+    policy.submit(req("q0", 10, "quiet"), 0.05)
+    # The quiet tenant heads fair order; the noisy one, offering far more than its half,
+    # takes its share of the 4 rows but not the last: the quiet tenant offers under half of
+    # its share of what the engine took lately.
+    assert _dispatched(policy.schedule(0.05)) == ["q0", "n4", "n5"]
+    assert policy.keeps_last_row("noisy") and not policy.keeps_last_row("quiet")
+    policy.on_done("q0", 0.1, 16)
+    assert _dispatched(policy.schedule(0.1)) == ["n6"]  # two rows free: one is the noisy's
+    policy.submit(req("q1", 10, "quiet"), 0.2)
+    assert _dispatched(policy.schedule(0.2)) == ["q1"]  # no wait for a row to free
+    # Once the quiet tenant has not been seen for a half-life, the row is the noisy one's.
+    half_life = policy.config.admission.half_life_s
+    policy.on_done("q1", 0.3, 16)
+    policy.submit(req("n20", 60, "noisy"), 0.3 + half_life)
+    # (n4-n6 still hold three rows; the rest of its backlog expired meanwhile.)
+    assert _dispatched(policy.schedule(0.3 + half_life)) == ["n20"]  # the last row
+    assert not policy.keeps_last_row("noisy")
+
+
+def test_a_backlogged_tenant_of_small_requests_is_not_light() -> None:
+    """It offers little beside tenants of large requests, but more than its share of what the
+    engine takes: no row is kept for it."""
+    policy = _engine(4)
+    for i in range(10):
+        policy.submit(req(f"big{i}", 2000, "big", max_tokens=64), 0.0)
+        policy.submit(req(f"small{i}", 60, "small"), 0.0)
+    assert len(_dispatched(policy.schedule(0.0))) == 4
+    for tenant in ("big", "small"):
+        assert not policy.keeps_last_row(tenant)
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_tenants_of_like_demand_take_every_row(fair: bool) -> None:
+    """Whatever rows each holds, no tenant is light when both offer alike; nor with fairness
+    off."""
+    policy = _engine(4, FairnessConfig(enabled=fair))
+    for i in range(6):
+        policy.submit(req(f"a{i}", 60, "a"), 0.0)
+        policy.submit(req(f"b{i}", 60, "b" if fair else "quiet"), 0.0)
+    assert len(_dispatched(policy.schedule(0.0))) == 4
+    if not fair:  # the same flood and quiet tenant as above, fairness off: no row is kept
+        policy = _engine(4, FairnessConfig(enabled=False))
+        policy.submit(req("q0", 60, "quiet"), 0.0)
+        for i in range(20):
+            policy.submit(req(f"n{i}", 60, "noisy"), 0.1)
+        assert len(_dispatched(policy.schedule(0.1))) == 4

@@ -1119,6 +1119,10 @@ class PolicyMachine(RuleBasedStateMachine):
                 entry = due if close and (mine <= 1 or urgent) else fair
             if full:
                 return  # held by rows: the request due first keeps the row that frees
+            if self.rows_left() == 1 and policy.keeps_last_row(entry.tenant):
+                # The last row stays for a light tenant: this lane's may not take it.
+                candidates = [q for q in candidates if q[2] != lane]
+                continue
             guarded = slots is not None and long_rows >= slots
             if lane == last != first and (self.rows_left() <= policy.rows_kept or guarded):
                 # The row or prefill guard holds the last lane alone: the others may still go.
