@@ -999,9 +999,14 @@ class PolicyScheduler:
             if rows_left <= 0 or not self._engine_has_room():
                 return
             if rows_left == 1 and self.keeps_last_row(entry.tenant):
-                self.counters[PolicyEvent.LAST_ROW_KEPT] += 1
-                open_lanes.discard(lane)  # the last row stays for a light tenant's request
-                continue
+                # The last row stays for a light tenant: the lane's fair head takes it if it is
+                # not held too (the request due first may have passed it), else nothing here.
+                fair = self._head(self._fair[lane], lane)
+                if fair is None or fair is entry or self.keeps_last_row(fair.tenant):
+                    self.counters[PolicyEvent.LAST_ROW_KEPT] += 1
+                    open_lanes.discard(lane)
+                    continue
+                entry = fair
             budgeted = lane != first
             if (
                 budgeted

@@ -440,3 +440,24 @@ def test_tenants_of_like_demand_take_every_row(fair: bool) -> None:
         for i in range(20):
             policy.submit(req(f"n{i}", 60, "noisy"), 0.1)
         assert len(_dispatched(policy.schedule(0.1))) == 4
+
+
+def test_a_light_tenants_request_takes_the_kept_row_when_an_urgent_one_passed_it() -> None:
+    """The noisy tenant's request due first, nearly out of slack, passes the quiet tenant's at
+    the head of fair order; the last row is kept from it, and the quiet one takes it."""
+    policy = _engine(4)
+    for i in range(20):
+        policy.submit(req(f"n{i}", 60, "noisy"), 0.0)
+    assert len(_dispatched(policy.schedule(0.0))) == 4
+    for i in range(4):
+        policy.on_done(f"n{i}", 0.05, 16)
+    assert _dispatched(policy.schedule(0.05)) == ["n4", "n5", "n6", "n7"]  # quiet unseen yet
+    policy.submit(req("q0", 10, "quiet"), 0.06)
+    policy.on_done("n4", 0.1, 16)
+    assert _dispatched(policy.schedule(0.1)) == ["q0"]
+    policy.on_done("n5", 0.12, 16)
+    assert _dispatched(policy.schedule(0.12)) == []  # the last row, kept
+    policy.submit(req("q1", 10, "quiet"), 0.2)
+    head = policy._earliest(set(policy.lanes))  # n8 is due first and passes q1
+    assert head is not None and head[1].request_id == "n8"
+    assert _dispatched(policy.schedule(0.2)) == ["q1"]

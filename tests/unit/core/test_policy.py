@@ -1120,9 +1120,13 @@ class PolicyMachine(RuleBasedStateMachine):
             if full:
                 return  # held by rows: the request due first keeps the row that frees
             if self.rows_left() == 1 and policy.keeps_last_row(entry.tenant):
-                # The last row stays for a light tenant: this lane's may not take it.
-                candidates = [q for q in candidates if q[2] != lane]
-                continue
+                # The last row stays for a light tenant: the lane's fair head may take it
+                # unless it is held too; else this lane's may not.
+                fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
+                if fair is entry or policy.keeps_last_row(fair.tenant):
+                    candidates = [q for q in candidates if q[2] != lane]
+                    continue
+                entry = fair
             guarded = slots is not None and long_rows >= slots
             if lane == last != first and (self.rows_left() <= policy.rows_kept or guarded):
                 # The row or prefill guard holds the last lane alone: the others may still go.
