@@ -3,8 +3,9 @@
 Over 500 lines on purpose: one class holds the policy's state, and both paths (lane order for
 static engines, deadline order for in-flight ones) read and change the same queues,
 reservations and counters inside one atomic `schedule(now)`; the parts without that state are
-modules of their own (admission, bucketing, kv, predict, shares, breaker, slo, engine). Moving
-the two dispatch paths apart would hand the whole state to each, so they stay here.
+modules of their own (admission, bucketing, demand, kv, predict, shares, breaker, slo,
+engine). Moving the two dispatch paths apart would hand the whole state to each, so they stay
+here.
 
 `submit` classifies a request into a lane (its prompt length, or the lane the client pinned;
 the circuit breaker may demote it one lane), predicts its output and either queues it in a
@@ -314,7 +315,7 @@ class PolicyScheduler:
         queue = self.lanes[lane]
         fair = self.config.fairness.enabled
         tenant = root_tenant(request.tenant)
-        if fair:
+        if fair and self.deadline_order:
             self.demand.add(tenant, request.prompt_tokens + predicted, now)
         tag = queue.start_tag(tenant) if fair else None
         timed_by = self.timed_by(lane, request)
@@ -525,8 +526,11 @@ class PolicyScheduler:
             and lane == self.config.lanes[0].name
             and self.token_time.median() is not None
         ):
-            kept = 1 if self.keeps_last_row(tenant) else 0  # that row is not this tenant's
-            rows = self.row_wait(self._rows_ahead(lane, key, tag, tenant) + kept)
+            ahead = self._rows_ahead(lane, key, tag, tenant)
+            free = self.config.kv.max_in_flight - self._rows_in_flight
+            if free <= ahead + 1 and self.keeps_last_row(tenant):
+                ahead += 1  # the kept row is not this tenant's (it matters only this near full)
+            rows = self.row_wait(ahead)
         if rows > 0.0 and (wait is None or rows > wait):
             wait = rows
         if wait is None:
@@ -897,7 +901,7 @@ class PolicyScheduler:
             rid = entry.request_id
             del self._queued[rid]
             self._queued_tokens[lane] -= entry.cost_tokens
-            if self.config.fairness.enabled:
+            if self.config.fairness.enabled and self.deadline_order:
                 self.demand.serve(entry.prompt_tokens + entry.predicted_output, self._now)
             self.mirror.reserve(rid, need, entry.own_prompt_tokens)
             self._lane_rows[lane] += 1

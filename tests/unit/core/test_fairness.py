@@ -425,21 +425,23 @@ def test_a_backlogged_tenant_of_small_requests_is_not_light() -> None:
         assert not policy.keeps_last_row(tenant)
 
 
-@pytest.mark.parametrize("fair", [True, False])
-def test_tenants_of_like_demand_take_every_row(fair: bool) -> None:
-    """Whatever rows each holds, no tenant is light when both offer alike; nor with fairness
-    off."""
-    policy = _engine(4, FairnessConfig(enabled=fair))
+def test_tenants_of_like_demand_take_every_row() -> None:
+    """Whatever rows each holds at the moment, no tenant is light when both offer alike."""
+    policy = _engine(4)
     for i in range(6):
         policy.submit(req(f"a{i}", 60, "a"), 0.0)
-        policy.submit(req(f"b{i}", 60, "b" if fair else "quiet"), 0.0)
+        policy.submit(req(f"b{i}", 60, "b"), 0.0)
     assert len(_dispatched(policy.schedule(0.0))) == 4
-    if not fair:  # the same flood and quiet tenant as above, fairness off: no row is kept
-        policy = _engine(4, FairnessConfig(enabled=False))
-        policy.submit(req("q0", 60, "quiet"), 0.0)
-        for i in range(20):
-            policy.submit(req(f"n{i}", 60, "noisy"), 0.1)
-        assert len(_dispatched(policy.schedule(0.1))) == 4
+
+
+def test_with_fairness_off_no_row_is_kept() -> None:
+    """A flood beside a quiet tenant with fairness off: the flood takes every row."""
+    policy = _engine(4, FairnessConfig(enabled=False))
+    policy.submit(req("q0", 10, "quiet"), 0.0)
+    for i in range(20):
+        policy.submit(req(f"n{i}", 60, "noisy"), 0.1)
+    assert len(_dispatched(policy.schedule(0.1))) == 4
+    assert not policy.keeps_last_row("noisy")
 
 
 def test_a_light_tenants_request_takes_the_kept_row_when_an_urgent_one_passed_it() -> None:
