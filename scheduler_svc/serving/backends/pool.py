@@ -3,10 +3,12 @@
 Each request (or released batch) goes to a ready endpoint: with several and
 `triton.prefix_routing` on, by core/prefix.py's rule (its session's previous endpoint, else the
 one it sent the longest run of the prompt's leading blocks to lately, each only within `slack`
-requests in flight of the least loaded); otherwise, and where nothing is cached, the one with
-the fewest requests the sidecar has in flight there, then the most free KV blocks at the last
-reading, then round robin. Endpoints that failed their last readiness check are skipped while
-any other is ready. The policy's KV mirror sees the pool's blocks summed over endpoints.
+requests in flight of the least loaded; between endpoints holding its prefix, one whose KV pool
+has room for it beside the blocks the pool's requests there hold, the pool's size being the
+endpoint's last reading); otherwise, and where nothing is cached, the one with the fewest
+requests the sidecar has in flight there, then the most free KV blocks at the last reading,
+then round robin. Endpoints that failed their last readiness check are skipped while any other
+is ready. The policy's KV mirror sees the pool's blocks summed over endpoints.
 
 The slack, unless configured, follows the engine (`slack_for`): a replica may run one more
 request than the least loaded per SLACK_ROWS sequences it runs, at least MIN_SLACK. An engine
@@ -27,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from scheduler_svc.config import TritonConfig
 from scheduler_svc.core.engine import EngineProfile
-from scheduler_svc.core.prefix import PrefixRouter, ReplicaLoad
+from scheduler_svc.core.prefix import PrefixRouter, ReplicaLoad, Routed
 from scheduler_svc.serving.backends.base import GenerationInput, Tokens
 from scheduler_svc.serving.backends.kvpoll import read_kv_blocks
 from scheduler_svc.serving.backends.triton import TritonBackend
@@ -124,15 +126,20 @@ class TritonPool:
             else first.kv_total_blocks and first.kv_total_blocks * len(self.endpoints),
         )
 
-    def pick(self, request: GenerationInput | None = None) -> Endpoint:
-        """The endpoint for `request` by prefix and session affinity (see the module), or
-        without a router or a request the ready endpoint with the fewest requests in flight,
-        then the most free KV blocks; ties go round robin."""
+    def pick(self, request: GenerationInput | None = None) -> tuple[Endpoint, Routed | None]:
+        """The endpoint for `request` by prefix and session affinity and KV room (see the
+        module), or without a router or a request the ready endpoint with the fewest requests
+        in flight, then the most free KV blocks; ties go round robin. A routed request holds
+        its blocks in the router's count until `release`d."""
         if self.router is not None and request is not None:
-            chosen = self.router.route(
-                request.prompt_ids, request.route.session, self._loads(), time.monotonic()
+            routed = self.router.route(
+                request.prompt_ids,
+                request.route.session,
+                self._loads(),
+                time.monotonic(),
+                max_tokens=request.max_tokens,
             )
-            return self.endpoints[chosen]
+            return self.endpoints[routed.replica], routed
         candidates = [e for e in self.endpoints if e.ready] or self.endpoints
         n = len(self.endpoints)
         turn = self._turn
@@ -141,10 +148,16 @@ class TritonPool:
         def key(e: Endpoint) -> tuple[int, int, int]:
             return (e.in_flight, -e.free_blocks, (self.endpoints.index(e) - turn) % n)
 
-        return min(candidates, key=key)
+        return min(candidates, key=key), None
+
+    def _release(self, routed: Routed | None) -> None:
+        if routed is not None and self.router is not None:
+            self.router.release(routed)
 
     def _loads(self) -> list[ReplicaLoad]:
-        return [ReplicaLoad(e.ready, e.in_flight, e.free_blocks) for e in self.endpoints]
+        return [
+            ReplicaLoad(e.ready, e.in_flight, e.free_blocks, e.total_blocks) for e in self.endpoints
+        ]
 
     def cached_tokens(self, request: GenerationInput) -> int:
         """The prompt's leading tokens the endpoint `pick` would choose now was sent lately, so
@@ -153,11 +166,15 @@ class TritonPool:
         if self.router is None or not self.reuses_kv:
             return 0
         return self.router.cached_tokens(
-            request.prompt_ids, request.route.session, self._loads(), time.monotonic()
+            request.prompt_ids,
+            request.route.session,
+            self._loads(),
+            time.monotonic(),
+            max_tokens=request.max_tokens,
         )
 
     async def stream(self, request: GenerationInput) -> AsyncGenerator[Tokens, None]:
-        endpoint = self.pick(request)
+        endpoint, routed = self.pick(request)
         endpoint.in_flight += 1
         try:
             async with contextlib.aclosing(endpoint.backend.stream(request)) as answers:
@@ -165,11 +182,12 @@ class TritonPool:
                     yield tokens
         finally:
             endpoint.in_flight -= 1
+            self._release(routed)
 
     async def stream_batch(
         self, request_id: str, rows: list[GenerationInput], timeout_s: float | None
     ) -> AsyncGenerator[tuple[int, Tokens], None]:
-        endpoint = self.pick(rows[0] if rows else None)
+        endpoint, routed = self.pick(rows[0] if rows else None)
         endpoint.in_flight += len(rows)
         try:
             answers = endpoint.backend.stream_batch(request_id, rows, timeout_s)
@@ -178,6 +196,7 @@ class TritonPool:
                     yield row, tokens
         finally:
             endpoint.in_flight -= len(rows)
+            self._release(routed)
 
     async def read_kv(self) -> tuple[int, int] | None:
         """Free and total KV blocks summed over the endpoints whose counts could be read (each

@@ -1,14 +1,25 @@
 """Prefix affinity across replicas: the bounded, expiring index; the rule (balance first, then
-the session, then the longest cached prefix, then load); and its bounds under random traffic."""
+KV room, then the session, then the longest cached prefix, then load); and its bounds under
+random traffic."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.core.prefix import PrefixIndex, PrefixRouter, ReplicaLoad, block_keys, choose
+from scheduler_svc.core.prefix import (
+    HeldBlocks,
+    PrefixIndex,
+    PrefixRouter,
+    ReplicaLoad,
+    Routed,
+    block_keys,
+    choose,
+)
 
 HEADER = list(range(1000, 1064))  # four blocks of 16
+KV_BLOCKS = 20  # each replica's pool in the property test: room for two or three requests
+MAX_TOKENS = 48
 
 
 def test_the_index_credits_only_an_unbroken_leading_run_and_forgets_old_entries() -> None:
@@ -63,15 +74,15 @@ def test_the_rule_balance_then_session_then_prefix_then_load() -> None:
 def test_a_session_stays_on_its_replica_and_a_shared_prefix_follows_its_cache() -> None:
     router = PrefixRouter(tokens_per_block=16, max_blocks=1000, ttl_s=60.0, slack=2)
     pool = loads(0, 0, 0, 0)
-    first = router.route(HEADER, "s1", pool, now=0.0)
+    first = router.route(HEADER, "s1", pool, now=0.0).replica
     # The next turn resends the conversation: same replica (by session, and by prefix).
-    assert router.route([*HEADER, 5, 6, 7], "s1", pool, now=1.0) == first
+    assert router.route([*HEADER, 5, 6, 7], "s1", pool, now=1.0).replica == first
     # Another session sharing the header (a system prompt) goes where the header is cached.
-    assert router.route([*HEADER, 9], "s2", pool, now=2.0) == first
+    assert router.route([*HEADER, 9], "s2", pool, now=2.0).replica == first
     assert router.reasons == {"session": 1, "prefix": 1, "load": 1}
     # A prompt with nothing in common goes by load.
     busy = [ReplicaLoad(True, 2 if i == first else 0) for i in range(4)]
-    assert router.route(list(range(64)), "", busy, now=3.0) != first
+    assert router.route(list(range(64)), "", busy, now=3.0).replica != first
 
 
 def test_the_cached_estimate_follows_the_replica_the_rule_would_choose() -> None:
@@ -79,7 +90,7 @@ def test_the_cached_estimate_follows_the_replica_the_rule_would_choose() -> None
     `route` would choose now (its session's, within the slack), remembering nothing."""
     router = PrefixRouter(tokens_per_block=16, max_blocks=1000, ttl_s=60.0, slack=1)
     pool = loads(0, 0, 0, 0)
-    first = router.route([*HEADER, 1], "s1", pool, now=0.0)
+    first = router.route([*HEADER, 1], "s1", pool, now=0.0).replica
     turn = [*HEADER, 1, *range(20)]  # 85 tokens: five full blocks, of which four were sent
     assert router.cached_tokens(turn, "s1", pool, now=1.0) == 64
     assert router.cached_tokens(list(range(64)), "", pool, now=1.0) == 0
@@ -87,6 +98,50 @@ def test_the_cached_estimate_follows_the_replica_the_rule_would_choose() -> None
     busy = [ReplicaLoad(True, 2 if i == first else 0) for i in range(4)]
     assert router.cached_tokens(turn, "s1", busy, now=1.0) == 0  # it would go elsewhere
     assert router.cached_tokens(turn, "s1", pool, now=61.0) == 0  # past the ttl
+
+
+def test_held_blocks_count_a_shared_prefix_once_and_return_to_zero() -> None:
+    held = HeldBlocks()
+    keys = block_keys(HEADER, 16)
+    assert held.need(keys, 3) == 7
+    held.hold(keys, 3)
+    assert held.used == 7 and held.need(keys, 2) == 2  # the header is held already
+    held.hold(keys, 2)
+    held.release(keys, 3)
+    assert held.used == 6  # the header stays while the second request holds it
+    held.release(keys, 2)
+    assert held.used == 0
+
+
+def test_kv_room_decides_between_the_replicas_holding_a_prefix() -> None:
+    """A session's replica is full of the blocks routed there: its next turn goes to another
+    replica holding the same prefix that has room (the engine starts it there at once); where
+    no holder has room, it stays (elsewhere it would prefill its prefix again)."""
+    router = PrefixRouter(tokens_per_block=16, max_blocks=1000, ttl_s=60.0, slack=4)
+    room = 12  # blocks per replica
+
+    def pool(busy: int | None = None) -> list[ReplicaLoad]:
+        return [ReplicaLoad(True, 5 if i == busy else 0, total_blocks=room) for i in range(2)]
+
+    # 4 header blocks + the partial block of 5 tokens and 64 output tokens (5 blocks): 9.
+    a = router.route([*HEADER, 1, 2, 3, 4, 5], "s1", pool(), now=0.0, max_tokens=64)
+    assert router.held(a.replica).used == 9
+    other = 1 - a.replica
+    # Another session, sent past the slack to the other replica: both hold the header now.
+    b = router.route([*HEADER, 9], "s2", pool(busy=a.replica), now=0.5, max_tokens=64)
+    assert b.replica == other
+    router.release(b)
+    # s1's next turn needs 6 more blocks on its replica (9 + 6 > 12); 10 fit on the other.
+    turn = [*HEADER, *range(20)]
+    moved = router.route(turn, "s1", pool(), now=1.0, max_tokens=64)
+    assert moved.replica == other and router.held(other).used == 10
+    # The turn after needs 6 more there (16 > 12) and 7 where it began (16 > 12): it stays.
+    stays = router.route([*turn, *range(100, 120)], "s1", pool(), now=2.0, max_tokens=64)
+    assert stays.replica == other
+    assert router.reasons == {"session": 1, "prefix": 1, "load": 2}
+    for routed in (a, moved, stays):
+        router.release(routed)
+    assert router.held(0).used == router.held(1).used == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,15 +160,36 @@ def test_no_replica_takes_a_request_beyond_the_slack_and_the_index_stays_bounded
     router = PrefixRouter(
         tokens_per_block=16, max_blocks=24, ttl_s=5.0, slack=slack, max_sessions=3
     )
-    in_flight = [0] * n
+    running: list[list[Routed]] = [[] for _ in range(n)]
     now = 0.0
     for prompt_kind, session, finish in steps:
         now += 0.5
-        if finish and any(in_flight):
-            in_flight[in_flight.index(max(in_flight))] -= 1
+        if finish and any(running):
+            busiest = max(running, key=len)
+            router.release(busiest.pop(0))
+        in_flight = [len(r) for r in running]
         prompt = HEADER if prompt_kind < 4 else [prompt_kind * 100 + i for i in range(48)]
-        replicas = [ReplicaLoad(True, k) for k in in_flight]
-        chosen = router.route(prompt, f"s{session}" if session else "", replicas, now)
-        assert in_flight[chosen] <= min(in_flight) + slack
-        in_flight[chosen] += 1
+        replicas = [ReplicaLoad(True, k, total_blocks=KV_BLOCKS) for k in in_flight]
+        name = f"s{session}" if session else ""
+        keys = block_keys(prompt, 16)
+        eligible = [i for i in range(n) if in_flight[i] <= min(in_flight) + slack]
+        # Where the rule looks for room: the prefix's holders and the session's replica among
+        # the eligible, or, holding none, all of them.
+        previous = router.previous(name, now)
+        holders = [i for i in router.index.matched(keys, now) if i in eligible]
+        looked = [*holders, *([previous] if previous in eligible else [])] or eligible
+        routed = router.route(prompt, name, replicas, now, max_tokens=MAX_TOKENS)
+        chosen = routed.replica
+        assert chosen in eligible
+        if router.held(chosen).used > KV_BLOCKS:  # overfilled: nowhere it looked had room
+            assert all(
+                router.held(i).used + router.held(i).need(keys, routed.extra_blocks) > KV_BLOCKS
+                for i in looked
+                if i != chosen
+            )
+        running[chosen].append(routed)
         assert len(router.index) <= 24 and router.sessions <= 3
+    for requests in running:
+        for routed in requests:
+            router.release(routed)
+    assert all(router.held(i).used == 0 for i in range(n))

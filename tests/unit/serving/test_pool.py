@@ -34,16 +34,16 @@ def pool(**routing: object) -> TritonPool:
 
 def test_a_shared_prefix_goes_back_to_its_endpoint_until_it_is_slack_ahead() -> None:
     backends = pool(slack=1)
-    first = backends.pick(row([*HEADER, 1]))
+    first = backends.pick(row([*HEADER, 1]))[0]
     first.in_flight += 1
-    assert backends.pick(row([*HEADER, 2])) is first  # one ahead: within the slack
+    assert backends.pick(row([*HEADER, 2]))[0] is first  # one ahead: within the slack
     first.in_flight += 1
-    other = backends.pick(row([*HEADER, 3]))  # two ahead: the prefix spreads
+    other = backends.pick(row([*HEADER, 3]))[0]  # two ahead: the prefix spreads
     assert other is not first
     assert backends.router is not None
     assert backends.router.reasons == {"session": 0, "prefix": 1, "load": 2}
     # Now both hold the header: the next one goes to the less loaded of the two.
-    assert backends.pick(row([*HEADER, 4])) is other
+    assert backends.pick(row([*HEADER, 4]))[0] is other
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_the_cached_prefix_estimate_is_what_the_chosen_endpoint_was_sent() -> No
         return reuse
 
     backends.first.profile = first_profile  # type: ignore[method-assign]
-    first = backends.pick(row([*HEADER, 1]))  # 64 header tokens: 4 blocks sent to `first`
+    first = backends.pick(row([*HEADER, 1]))[0]  # 64 header tokens: 4 blocks sent to `first`
     assert backends.cached_tokens(row([*HEADER, 2])) == 0  # the engine's reuse not known yet
     asyncio.run(backends.profile())
     assert backends.cached_tokens(row([*HEADER, 2])) == 64
@@ -89,7 +89,7 @@ def test_the_cached_prefix_estimate_is_what_the_chosen_endpoint_was_sent() -> No
 def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
     backends = pool(enabled=False)
     assert backends.router is None
-    picked = [backends.pick(row(HEADER)) for _ in range(3)]
+    picked = [backends.pick(row(HEADER))[0] for _ in range(3)]
     assert len({id(e) for e in picked}) == 3  # round robin among equals
     single = TritonPool(TritonConfig(url="127.0.0.1:1"))
     assert single.router is None  # one endpoint: nothing to route
@@ -98,7 +98,7 @@ def test_without_prefix_routing_or_a_request_the_least_loaded_goes() -> None:
 def test_an_endpoint_that_goes_unready_is_forgotten_by_the_prefix_index() -> None:
     """Back from a readiness miss it has likely restarted with an empty cache."""
     backends = pool()
-    first = backends.pick(row(HEADER))
+    first = backends.pick(row(HEADER))[0]
     index = backends.endpoints.index(first)
     answers = {e.url: e is not first for e in backends.endpoints}
     for endpoint in backends.endpoints:
