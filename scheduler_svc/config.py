@@ -128,8 +128,9 @@ class TritonConfig(_Frozen):
     replicas: list[Replica] = Field(
         default_factory=list,
         description="More Tritons serving the same engine model: each request goes to a ready "
-        "one, by prefix affinity within `prefix_routing.slack` of the least loaded, else the "
-        "fewest requests in flight, then the most free KV blocks.",
+        "one, by prefix affinity within `prefix_routing.slack` of the least loaded (between "
+        "replicas holding its prefix, one whose KV pool has room first), else the fewest "
+        "requests in flight, then the most free KV blocks.",
     )
     prefix_routing: PrefixRouting = Field(
         default_factory=PrefixRouting,
