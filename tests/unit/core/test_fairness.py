@@ -397,20 +397,47 @@ def test_the_last_row_is_kept_for_a_light_tenant_while_another_holds_the_rest() 
     policy.submit(req("q0", 10, "quiet"), 0.05)
     # The quiet tenant heads fair order; the noisy one, offering far more than its half,
     # takes its share of the 4 rows but not the last: the quiet tenant offers under half of
-    # its share of what the engine took lately.
+    # its share of what the engine took lately. (With its request running, its share of two
+    # rows leaves one to keep.)
     assert _dispatched(policy.schedule(0.05)) == ["q0", "n4", "n5"]
-    assert policy.keeps_last_row("noisy") and not policy.keeps_last_row("quiet")
+    assert policy.rows_kept_for_light("noisy") == 1 and not policy.keeps_last_row("quiet")
+    policy.submit(req("q1", 10, "quiet"), 0.06)
+    assert _dispatched(policy.schedule(0.06)) == ["q1"]  # its second, while its first runs
     policy.on_done("q0", 0.1, 16)
-    assert _dispatched(policy.schedule(0.1)) == ["n6"]  # two rows free: one is the noisy's
-    policy.submit(req("q1", 10, "quiet"), 0.2)
-    assert _dispatched(policy.schedule(0.2)) == ["q1"]  # no wait for a row to free
+    policy.on_done("q1", 0.1, 16)
+    # Nothing of the quiet tenant's running: one row kept, the noisy one takes the other.
+    assert policy.rows_kept_for_light("noisy") == 1
+    assert _dispatched(policy.schedule(0.1)) == ["n6"]
+    policy.submit(req("q2", 10, "quiet"), 0.2)
+    assert _dispatched(policy.schedule(0.2)) == ["q2"]  # no wait for a row to free
     # Once the quiet tenant has not been seen for a half-life, the row is the noisy one's.
     half_life = policy.config.admission.half_life_s
-    policy.on_done("q1", 0.3, 16)
+    policy.on_done("q2", 0.3, 16)
     policy.submit(req("n20", 60, "noisy"), 0.3 + half_life)
     # (n4-n6 still hold three rows; the rest of its backlog expired meanwhile.)
     assert _dispatched(policy.schedule(0.3 + half_life)) == ["n20"]  # the last row
     assert not policy.keeps_last_row("noisy")
+
+
+def test_the_rows_kept_grow_with_the_light_tenants_running_requests() -> None:
+    """A burst of the quiet tenant's: one row kept per request it has running, plus one,
+    short of its share of the rows (4 of 8 here)."""
+    policy = _engine(8)
+    for i in range(30):
+        policy.submit(req(f"n{i}", 60, "noisy"), 0.0)
+    assert len(_dispatched(policy.schedule(0.0))) == 8
+    for i in range(8):
+        policy.on_done(f"n{i}", 0.05, 16)
+    policy.submit(req("q0", 10, "quiet"), 0.05)
+    # q0 first; the noisy one takes rows until two are left: the quiet one has one running.
+    assert _dispatched(policy.schedule(0.05)) == ["q0", "n8", "n9", "n10", "n11", "n12"]
+    assert policy.rows_kept_for_light("noisy") == 2
+    for k in (1, 2):
+        policy.submit(req(f"q{k}", 10, "quiet"), 0.06)
+    assert _dispatched(policy.schedule(0.06)) == ["q1", "q2"]  # the burst finds its rows
+    assert policy.rows_kept_for_light("noisy") == 1  # three running: one row to its share
+    policy.on_done("n8", 0.07, 16)
+    assert _dispatched(policy.schedule(0.07)) == []  # the row that freed is kept
 
 
 def test_a_backlogged_tenant_of_small_requests_is_not_light() -> None:

@@ -1119,11 +1119,11 @@ class PolicyMachine(RuleBasedStateMachine):
                 entry = due if close and (mine <= 1 or urgent) else fair
             if full:
                 return  # held by rows: the request due first keeps the row that frees
-            if self.rows_left() == 1 and policy.keeps_last_row(entry.tenant):
-                # The last row stays for a light tenant: the lane's fair head may take it
+            if self.rows_left() <= policy.rows_kept_for_light(entry.tenant):
+                # The last rows stay for a light tenant: the lane's fair head may take one
                 # unless it is held too; else this lane's may not.
                 fair = min((q[3] for q in candidates if q[2] == lane), key=lambda e: (e.tag, e.seq))
-                if fair is entry or policy.keeps_last_row(fair.tenant):
+                if fair is entry or self.rows_left() <= policy.rows_kept_for_light(fair.tenant):
                     candidates = [q for q in candidates if q[2] != lane]
                     continue
                 entry = fair
