@@ -1,7 +1,7 @@
 """Each root tenant's recent demand: the work it offered, decayed by a half-life.
 
 The policy keeps an engine's last free row for a *light* tenant, one offering well under its
-fair share of the work (core/policy.py, `keeps_last_row`). Fair order alone cannot serve such
+fair share of the work (core/policy.py, `rows_kept_for_light`). Fair order alone cannot serve such
 a tenant on time when another one holds every row: its request heads fair order at once but
 waits for a row to free, and on an engine of few rows those free seconds apart in the tail
 (live, the CPU engine's 16 rows under a flood: gaps between ends P99 165 ms, max 254 ms). What
@@ -32,6 +32,10 @@ class RecentDemand:
         self.max_tenants = max_tenants
         self._work: dict[str, tuple[float, float]] = {}  # tenant -> (decayed work, as of)
         self._served = (0.0, 0.0)  # (decayed work dispatched, as of)
+
+    def __len__(self) -> int:
+        """Tenants tracked (seen lately or not yet dropped): at least those `offered` lists."""
+        return len(self._work)
 
     def _decayed(self, value: float, since: float, now: float) -> float:
         factor: float = 0.5 ** (max(0.0, now - since) / self.half_life_s)

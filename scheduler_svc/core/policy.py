@@ -1062,11 +1062,6 @@ class PolicyScheduler:
             return 0
         return int(self.config.kv.max_in_flight * self.config.lanes[0].share)
 
-    def keeps_last_row(self, tenant: str) -> bool:
-        """Whether free rows are kept from `tenant`'s requests for a light tenant
-        (`rows_kept_for_light`)."""
-        return self.rows_kept_for_light(tenant) > 0
-
     def rows_kept_for_light(self, tenant: str) -> int:
         """The engine's free rows kept from `tenant`'s requests (in-flight engines, fairness
         on): none unless `tenant` holds at least its fair share of the rows and another tenant
@@ -1089,8 +1084,8 @@ class PolicyScheduler:
         backlogged tenant of small requests beside three of larger ones counted as light, and
         four such tenants ended 23-24 % off their shares live (14-19 % without the rule on the
         same host)."""
-        if not (self.config.fairness.enabled and self.deadline_order):
-            return 0
+        if not (self.config.fairness.enabled and self.deadline_order) or len(self.demand) < 2:
+            return 0  # (asked at every first-lane admission: one tenant costs nothing here)
         offered = self.demand.offered(self._now)
         if len(offered) < 2 or tenant not in offered:
             return 0

@@ -400,7 +400,7 @@ def test_the_last_row_is_kept_for_a_light_tenant_while_another_holds_the_rest() 
     # its share of what the engine took lately. (With its request running, its share of two
     # rows leaves one to keep.)
     assert _dispatched(policy.schedule(0.05)) == ["q0", "n4", "n5"]
-    assert policy.rows_kept_for_light("noisy") == 1 and not policy.keeps_last_row("quiet")
+    assert policy.rows_kept_for_light("noisy") == 1 and policy.rows_kept_for_light("quiet") == 0
     policy.submit(req("q1", 10, "quiet"), 0.06)
     assert _dispatched(policy.schedule(0.06)) == ["q1"]  # its second, while its first runs
     policy.on_done("q0", 0.1, 16)
@@ -416,7 +416,7 @@ def test_the_last_row_is_kept_for_a_light_tenant_while_another_holds_the_rest() 
     policy.submit(req("n20", 60, "noisy"), 0.3 + half_life)
     # (n4-n6 still hold three rows; the rest of its backlog expired meanwhile.)
     assert _dispatched(policy.schedule(0.3 + half_life)) == ["n20"]  # the last row
-    assert not policy.keeps_last_row("noisy")
+    assert policy.rows_kept_for_light("noisy") == 0
 
 
 def test_the_rows_kept_grow_with_the_light_tenants_running_requests() -> None:
@@ -449,7 +449,7 @@ def test_a_backlogged_tenant_of_small_requests_is_not_light() -> None:
         policy.submit(req(f"small{i}", 60, "small"), 0.0)
     assert len(_dispatched(policy.schedule(0.0))) == 4
     for tenant in ("big", "small"):
-        assert not policy.keeps_last_row(tenant)
+        assert policy.rows_kept_for_light(tenant) == 0
 
 
 def test_tenants_of_like_demand_take_every_row() -> None:
@@ -468,7 +468,7 @@ def test_with_fairness_off_no_row_is_kept() -> None:
     for i in range(20):
         policy.submit(req(f"n{i}", 60, "noisy"), 0.1)
     assert len(_dispatched(policy.schedule(0.1))) == 4
-    assert not policy.keeps_last_row("noisy")
+    assert policy.rows_kept_for_light("noisy") == 0
 
 
 def test_a_light_tenants_request_takes_the_kept_row_when_an_urgent_one_passed_it() -> None:
